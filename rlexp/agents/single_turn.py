@@ -1,0 +1,46 @@
+"""SingleTurnAgent: one prompt in, one completion out, scored by the judge."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rlexp.sample import Sample, SamplingConfig, Status
+
+
+def render_prompt(tokenizer, messages) -> list[int]:
+    """Chat-template the prompt messages into token ids (the only tokenization we do)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def request_seed(base: int | None, uid: int) -> int | None:
+    """A per-sample seed: reproducible rollouts whatever order requests finish in."""
+    return None if base is None else hash((base, uid)) & 0x7FFFFFFF
+
+
+class SingleTurnAgent:
+    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.judge = judge
+        self.sampling = sampling or engine.sampling
+
+    async def run(self, sample: Sample) -> Sample:
+        prompt = render_prompt(self.tokenizer, sample.prompt)
+        sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample.uid))
+        gen = await self.engine.generate(prompt, sampling)
+        sample.prompt_token_ids = prompt
+        sample.tokens = prompt + gen.token_ids
+        sample.loss_mask = [0] * len(prompt) + [1] * len(gen.token_ids)
+        sample.logprobs = [0.0] * len(prompt) + gen.logprobs
+        sample.versions = [-1] * len(prompt) + [gen.version] * len(gen.token_ids)
+        sample.finish_reason = gen.finish_reason
+        sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        sample.turns = [{"role": "assistant", "text": sample.response_text,
+                         "span": [len(prompt), len(sample.tokens)], "mask": 1}]
+        if gen.finish_reason == "abort":
+            sample.status = Status.ABORTED
+            return sample
+        sample = await self.judge.score(sample)
+        sample.status = Status.COMPLETED
+        return sample

@@ -1,0 +1,83 @@
+"""Config checks that run before any model or engine starts, and rlexp's OmegaConf resolvers."""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+# `${rlexp.abspath:mlflow.db}`: absolute path from the directory the command runs in.
+OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _get(cfg: DictConfig, key: str):
+    value = OmegaConf.select(cfg, key, default="__missing__")
+    if value == "__missing__":
+        raise ConfigError(f"{key} is missing from the config")
+    return value
+
+
+def _int(cfg, key: str, minimum: int) -> int:
+    v = _get(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{key} must be an integer, got {v!r} ({type(v).__name__})")
+    if v < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {v}")
+    return v
+
+
+def _float(cfg, key: str, minimum: float, strict: bool = False) -> float:
+    v = _get(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {v!r} ({type(v).__name__})")
+    if v < minimum or (strict and v == minimum):
+        raise ConfigError(f"{key} must be {'>' if strict else '>='} {minimum}, got {v}")
+    return float(v)
+
+
+def validate(cfg: DictConfig) -> dict[str, int]:
+    """Raise ConfigError naming the first bad key; return derived sizes for logging."""
+    _int(cfg, "seed", 0)
+    steps = _int(cfg, "trainer.total_steps", 1)
+    prompts = _int(cfg, "data.prompts_per_step", 1)
+    per_prompt = _int(cfg, "data.samples_per_prompt", 1)
+    if per_prompt < 2 and "grpo" in str(_get(cfg, "trainer._target_")).lower():
+        raise ConfigError(f"data.samples_per_prompt must be >= 2 for GRPO (advantages compare "
+                          f"samples of one prompt), got {per_prompt}")
+    _int(cfg, "rollout.max_response_tokens", 1)
+    _int(cfg, "rollout.max_model_len", 2)
+    _float(cfg, "rollout.temperature", 0.0, strict=True)
+    top_p = _float(cfg, "rollout.top_p", 0.0, strict=True)
+    if top_p > 1:
+        raise ConfigError(f"rollout.top_p must be <= 1, got {top_p}")
+    _int(cfg, "evaluator.every_n_steps", 1)
+    _int(cfg, "evaluator.samples_per_prompt", 1)
+    _float(cfg, "evaluator.temperature", 0.0)
+    if _get(cfg, "evaluator.prompts") is not None:
+        _int(cfg, "evaluator.prompts", 1)
+    _int(cfg, "trainer.minibatches_per_step", 1)
+    _int(cfg, "trainer.micro_batch_tokens", 1)
+    _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
+    _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
+    return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
+
+
+def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:
+    """Checks that need the dataset (cheap to load) but no model."""
+    if cfg.data.prompts_per_step > n_train:
+        raise ConfigError(f"data.prompts_per_step={cfg.data.prompts_per_step} cannot be filled: "
+                          f"the train split has only {n_train} prompts")
+    if n_eval == 0:
+        raise ConfigError("the eval split is empty; set data.eval_size or data.eval_path")
+
+
+def validate_lengths(cfg: DictConfig, longest_prompt: int, where: str) -> None:
+    need = longest_prompt + cfg.rollout.max_response_tokens
+    if need > cfg.rollout.max_model_len:
+        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} is too short: the "
+                          f"longest prompt ({where}) has {longest_prompt} tokens + "
+                          f"rollout.max_response_tokens={cfg.rollout.max_response_tokens}")

@@ -1,0 +1,50 @@
+"""Evaluator: metrics from an evaluation batch. It does no rollout itself: the runner
+produces the batch from the held-out split (see rlexp/run.py)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from math import comb
+
+from rlexp.sample import Sample, Status
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+class Evaluator:
+    """`every_n_steps`, `prompts` (null = the whole held-out split), `samples_per_prompt`
+    and `temperature` tell the runner how to produce the eval batch."""
+
+    def __init__(self, every_n_steps: int, samples_per_prompt: int = 1, temperature: float = 0.0,
+                 prompts: int | None = None):
+        self.every_n_steps = every_n_steps
+        self.samples_per_prompt = samples_per_prompt
+        self.temperature = temperature
+        self.prompts = prompts
+
+    def evaluate(self, batch: list[Sample]) -> dict[str, float]:
+        done = [s for s in batch if s.status == Status.COMPLETED]
+        groups: dict[int, list[float]] = defaultdict(list)
+        for s in done:
+            groups[s.group_id].append(s.reward_components.get("correct", float(s.reward > 0)))
+        n = self.samples_per_prompt
+        metrics = {
+            # Failed or aborted samples count as wrong: the denominator is every eval sample.
+            "eval/accuracy": sum(sum(g) for g in groups.values()) / max(len(batch), 1),
+            "eval/reward_mean": sum(s.reward for s in done) / max(len(done), 1),
+            "eval/response_length_mean": sum(s.response_length for s in done) / max(len(done), 1),
+            "eval/truncated_frac": sum(s.finish_reason == "length" for s in done) / max(len(done), 1),
+            "eval/prompts": float(len(groups)),
+            "eval/failed": float(len(batch) - len(done)),
+        }
+        k = 1
+        while k <= n:
+            full = [g for g in groups.values() if len(g) == n]
+            metrics[f"eval/pass_at_{k}"] = sum(pass_at_k(n, int(sum(g)), k) for g in full) / max(len(full), 1)
+            k *= 2
+        return metrics

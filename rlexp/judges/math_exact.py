@@ -1,0 +1,45 @@
+"""Rule-based judge: extract the final answer, compare exactly with the reference."""
+
+from __future__ import annotations
+
+import re
+
+from rlexp.sample import Sample
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The answer after the last `####`, else in the last `\\boxed{}`, else the last number."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        return _normalize(tail.split()[0]) if tail else None
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxed:
+        return _normalize(boxed[-1])
+    numbers = _NUMBER.findall(text)
+    return _normalize(numbers[-1]) if numbers else None
+
+
+def _normalize(ans: str) -> str:
+    ans = ans.strip().rstrip(".").replace(",", "").replace("$", "")
+    if re.fullmatch(r"-?\d+\.0+", ans):
+        ans = ans.split(".")[0]
+    return ans
+
+
+class MathExactJudge:
+    """reward = correct_reward * [answer == reference] + format_reward * [an answer was found]."""
+
+    def __init__(self, correct_reward: float = 1.0, format_reward: float = 0.0):
+        self.correct_reward = correct_reward
+        self.format_reward = format_reward
+
+    async def score(self, sample: Sample) -> Sample:
+        predicted = extract_answer(sample.response_text)
+        correct = float(predicted is not None and predicted == _normalize(sample.answer))
+        found = float(predicted is not None)
+        sample.reward_components = {"correct": correct, "format": found}
+        sample.reward = self.correct_reward * correct + self.format_reward * found
+        sample.metadata["predicted"] = predicted
+        return sample

@@ -1,0 +1,141 @@
+"""A tiny Qwen2-architecture model with a character-level tokenizer, built locally.
+
+`build_tiny_model` creates (once, cached by its arguments) an HF directory that both
+transformers and vLLM load. It then runs a short supervised warm-start on the
+arithmetic task format, using only training-split problems (never the held-out ones),
+so that RL starts from a policy that is sometimes right; see README "The tiny model".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import string
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from rlexp.data import arithmetic
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+# Prefix-preserving: rendering messages[:k] is a prefix of rendering messages[:k+1].
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+FORMAT_VERSION = 1  # bump when the build recipe changes, to invalidate caches
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(
+    cache_dir: str,
+    seed: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    warm_start_steps: int,
+    warm_start_batch_size: int,
+    warm_start_lr: float,
+    task_max_operand: int,
+    task_ops: str,
+    task_eval_size: int,
+    task_seed: int,
+) -> str:
+    """Return the path of the built model directory, building it on first use."""
+    if hidden_size // num_heads not in (32, 64, 80, 96, 112, 128):
+        raise ValueError(
+            f"model: hidden_size/num_heads = {hidden_size // num_heads}; vLLM's CPU attention "
+            "needs a head dim of 32, 64, 80, 96, 112 or 128"
+        )
+    args = {k: v for k, v in locals().items() if k != "cache_dir"} | {"v": FORMAT_VERSION}
+    key = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
+    out = Path(cache_dir).expanduser().resolve() / f"tiny-{key}"
+    if (out / "config.json").exists():
+        log.info("tiny model: cached at %s", out)
+        return str(out)
+
+    t0 = time.time()
+    torch.manual_seed(seed)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
+    _warm_start(
+        model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr, seed
+    )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "rlexp_build.json").write_text(json.dumps(args, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic: a crashed build never leaves a half-written cache entry
+    log.info("tiny model: built %s in %.1fs", out, time.time() - t0)
+    return str(out)
+
+
+def _warm_start(model, tokenizer, problems, steps, batch_size, lr, seed) -> None:
+    """Supervised next-token training on `<chat prompt>answer<|im_end|>`, loss on the answer."""
+    if steps <= 0:
+        return
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        rows, labels = [], []
+        for question, answer in rng.choices(problems, k=batch_size):
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+            )
+            p_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            a_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            rows.append(p_ids + a_ids)
+            labels.append([-100] * len(p_ids) + a_ids)
+        width = max(map(len, rows))
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+        lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+        loss = model(input_ids=ids, attention_mask=(ids != pad).long(), labels=lab).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()

@@ -1,0 +1,113 @@
+"""transformers `generate` behind the RolloutEngine Protocol, for debugging and platforms
+without vLLM. Concurrent requests with equal sampling settings are batched together."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import astuple
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlexp.sample import Generation, SamplingConfig
+
+
+class HFEngine:
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_response_tokens: int = 16,
+        max_model_len: int = 512,
+        max_batch_size: int = 256,
+        dtype: str = "float32",
+    ):
+        self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        tok = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.version = 0
+        self._pending: list[tuple[list[int], SamplingConfig, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((list(token_ids), sampling, fut))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(0)  # let every coroutine of this tick enqueue first
+        while self._pending:
+            key = astuple(self._pending[0][1])[:3]
+            batch = [p for p in self._pending if astuple(p[1])[:3] == key][: self.max_batch_size]
+            self._pending = [p for p in self._pending if all(p is not b for b in batch)]
+            async with self._lock:
+                try:
+                    gens = await asyncio.to_thread(self._generate_batch, batch)
+                except Exception as exc:  # surface to every waiting caller
+                    for *_, fut in batch:
+                        fut.set_exception(exc)
+                    continue
+            for (*_, fut), gen in zip(batch, gens):
+                fut.set_result(gen)
+
+    @torch.no_grad()
+    def _generate_batch(self, batch) -> list[Generation]:
+        sampling: SamplingConfig = batch[0][1]
+        width = max(len(ids) for ids, *_ in batch)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(i)) + i for i, *_ in batch])
+        attention = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i, *_ in batch])
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        greedy = sampling.temperature == 0
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=sampling.max_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,
+            output_scores=True,  # processed scores: the distribution actually sampled from
+            return_dict_in_generate=True,
+            pad_token_id=self.pad_id,
+        )
+        new = out.sequences[:, width:].cpu()
+        logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
+        gens = []
+        for row, lp in zip(new.tolist(), logprobs):
+            ids, finish = [], "length"
+            for tid in row:
+                ids.append(tid)
+                if tid in self.eos_ids:
+                    finish = "stop"
+                    break
+            lps = [lp[i, t].item() for i, t in enumerate(ids)]
+            gens.append(Generation(ids, lps, finish, self.version))
+        return gens
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        async with self._lock:
+            self.model.load_state_dict(state_dict)
+            self.version += 1
+
+    async def sleep(self) -> None:
+        pass
+
+    async def wake_up(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

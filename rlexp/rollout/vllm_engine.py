@@ -1,0 +1,121 @@
+"""vLLM behind the RolloutEngine Protocol: token ids in; token ids, sampling logprobs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from rlexp.rollout.base import save_state_dict
+from rlexp.sample import Generation, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine:
+    """An in-process `AsyncLLM` (its engine core runs in a child process).
+
+    Weight sync: the trainer's state dict is written as safetensors to a RAM-backed
+    directory and the engine's workers reload it in place (`reload_weights`)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        seed: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_response_tokens: int = 16,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        max_num_seqs: int = 256,
+        kv_cache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool = True,
+        max_num_batched_tokens: int = 8192,
+    ):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        on_gpu = torch.cuda.is_available()
+        kwargs = dict(
+            model=model_path,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            # RL ratios need logprobs of the distribution actually sampled from
+            # (after temperature / top-p), not the raw model's.
+            logprobs_mode="processed_logprobs",
+            enforce_eager=enforce_eager,
+            # Per-request seeds make rollouts reproducible; vLLM's CPU sampler crashes on
+            # them when a prefill is chunked ("CPU Generator does not use offset").
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            enable_sleep_mode=enable_sleep_mode and on_gpu,
+        )
+        if on_gpu:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        t0 = time.time()
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
+        self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
+        self.sleeps = enable_sleep_mode and on_gpu
+        self.version = 0
+        self._ids = itertools.count()
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        self._weights_dir = Path(tempfile.mkdtemp(prefix="rlexp-weights-", dir=shm))
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,  # tokens are the source of truth; text is decoded by the caller
+        )
+        version = self.version
+        final = None
+        async for out in self.llm.generate(
+            {"prompt_token_ids": list(token_ids)}, params, request_id=f"r{next(self._ids)}"
+        ):
+            final = out
+        assert final is not None
+        completion = final.outputs[0]
+        ids = list(completion.token_ids)
+        logprobs = [step[tid].logprob for tid, step in zip(ids, completion.logprobs or [])]
+        return Generation(
+            token_ids=ids,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason or "abort",
+            version=version,
+        )
+
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        save_state_dict(state_dict, self._weights_dir)
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+        await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        self.version += 1
+
+    async def sleep(self) -> None:
+        if self.sleeps:
+            await self.llm.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        if self.sleeps:
+            await self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        shutil.rmtree(self._weights_dir, ignore_errors=True)

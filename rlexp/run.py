@@ -1,0 +1,145 @@
+"""Composition root: compose -> validate -> build -> loop (produce, fit, sync, evaluate) -> clean up.
+
+    python -m rlexp.run [group=option ...] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import sys
+import time
+from collections import Counter
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from rlexp.agents.single_turn import render_prompt
+from rlexp.config import ConfigError, validate, validate_data, validate_lengths
+from rlexp.sample import SamplingConfig, Status
+from rlexp.schedulers.sync import SyncScheduler
+
+log = logging.getLogger("rlexp")
+
+
+def build(cfg: DictConfig, group: str, **runtime):
+    log.info("building %-9s %s", group, cfg[group]._target_)
+    return instantiate(cfg[group], **runtime)
+
+
+def rollout_metrics(batch, produce_s: float) -> dict[str, float]:
+    done = [s for s in batch if s.status == Status.COMPLETED]
+    tokens = sum(s.response_length for s in batch)
+    counts = Counter(s.status.value for s in batch)
+    n = max(len(done), 1)
+    return {
+        "rollout/reward_mean": sum(s.reward for s in done) / n,
+        "rollout/accuracy": sum(s.reward_components.get("correct", 0.0) for s in done) / n,
+        "rollout/response_length_mean": sum(s.response_length for s in done) / n,
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in done) / n,
+        "rollout/tokens": float(tokens),
+        "throughput/rollout_tokens_per_s": tokens / max(produce_s, 1e-9),
+        **{f"samples/{st.value}": float(counts.get(st.value, 0)) for st in Status},
+    }
+
+
+async def evaluate(step, engine, tokenizer, cfg, eval_data, scheduler_cls, evaluator, judge,
+                   tracker) -> dict[str, float]:
+    """Roll out the held-out split with the eval sampling settings, then score the batch."""
+    sampling = SamplingConfig(evaluator.temperature, 1.0, cfg.rollout.max_response_tokens, cfg.seed)
+    agent = instantiate(cfg.agent, engine=engine, tokenizer=tokenizer, judge=judge, sampling=sampling,
+                        _convert_="object")  # keep `sampling` a dataclass, not a DictConfig
+    t0 = time.time()
+    batch = await scheduler_cls().produce_batch(eval_data, agent)
+    metrics = evaluator.evaluate(batch) | {"timing/eval_s": time.time() - t0}
+    tracker.log_metrics(metrics, step)
+    tracker.log_samples(batch, step, tokenizer.decode, name="eval_traces")
+    log.info("step %4d  eval/accuracy %.3f  (%d samples, %.1fs)", step, metrics["eval/accuracy"],
+             len(batch), metrics["timing/eval_s"])
+    return metrics
+
+
+async def run(cfg: DictConfig) -> dict[str, float]:
+    derived = validate(cfg)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # Data first: cheap, and bad files must fail before any model or engine starts.
+    try:
+        source = instantiate(cfg.data.source)
+    except InstantiationException as e:
+        raise ConfigError(f"data.source: {e.__cause__ or e}") from e
+    data = build(cfg, "data", source=source, split="train")
+    evaluator = build(cfg, "evaluator")
+    n_eval = min(evaluator.prompts or len(source.problems("eval")), len(source.problems("eval")))
+    eval_data = instantiate(cfg.data, source=source, split="eval", prompts_per_step=n_eval,
+                            samples_per_prompt=evaluator.samples_per_prompt)
+    validate_data(cfg, len(data), len(eval_data))
+    log.info("derived: %s", derived)
+
+    model_path = build(cfg, "model")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for split, dm in (("train", data), ("eval", eval_data)):
+        longest = max(len(render_prompt(tokenizer, p.messages)) for p in dm.problems)
+        validate_lengths(cfg, longest, f"{split} split")
+
+    tracker = build(cfg, "logger")
+    tracker.start(cfg, extra_params={f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path})
+    engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
+    status, final = "FAILED", {}
+    try:
+        judge = build(cfg, "judge")
+        agent = build(cfg, "agent", engine=engine, tokenizer=tokenizer, judge=judge)
+        scheduler = build(cfg, "scheduler")
+        trainer = build(cfg, "trainer", model_path=model_path, temperature=cfg.rollout.temperature)
+        eval_args = (engine, tokenizer, cfg, eval_data, SyncScheduler, evaluator, judge, tracker)
+        total = cfg.trainer.total_steps
+        for step in range(total):
+            if step % evaluator.every_n_steps == 0:
+                final = await evaluate(step, *eval_args)
+            t0 = time.time()
+            batch = await scheduler.produce_batch(data, agent)
+            t1 = time.time()
+            await engine.sleep()
+            train_metrics = await asyncio.to_thread(trainer.fit, batch)
+            await engine.wake_up()
+            t2 = time.time()
+            await trainer.sync_weights(engine)
+            t3 = time.time()
+            metrics = rollout_metrics(batch, t1 - t0) | train_metrics | {
+                "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
+                "timing/step_s": t3 - t0, "rollout/policy_version": float(engine.version)}
+            tracker.log_metrics(metrics, step + 1)
+            tracker.log_samples(batch, step + 1, tokenizer.decode)
+            log.info("step %4d/%d  reward %.3f  loss %+.4f  entropy %.3f  %.2fs (produce %.2f fit %.2f sync %.2f)",
+                     step + 1, total, metrics["rollout/reward_mean"], metrics.get("train/loss", 0.0),
+                     metrics.get("train/entropy", 0.0), t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        final = await evaluate(total, *eval_args)
+        status = "FINISHED"
+        return final
+    finally:
+        engine.shutdown()
+        tracker.end(status)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    if cfg.logger.get("run_name") is None and HydraConfig.initialized():
+        overrides = HydraConfig.get().overrides.task
+        cfg.logger.run_name = ",".join(overrides) if overrides else "default"
+    try:
+        final = asyncio.run(run(cfg))
+    except ConfigError as e:
+        print(f"rlexp: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return final.get("eval/accuracy")
+
+
+if __name__ == "__main__":
+    main()

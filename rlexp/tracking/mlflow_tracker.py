@@ -1,0 +1,73 @@
+"""MLflow tracking: params (flattened resolved config), per-step metrics, trace artifacts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}." if prefix or k else ""))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+class MlflowTracker:
+    def __init__(self, tracking_uri: str, experiment_name: str, artifact_location: str | None = None,
+                 run_name: str | None = None, log_traces: bool = True,
+                 traces_every_n_steps: int = 1):
+        self.tracking_uri = tracking_uri
+        self.experiment_name = experiment_name
+        self.artifact_location = artifact_location
+        self.run_name = run_name
+        self.log_traces = log_traces
+        self.traces_every_n_steps = traces_every_n_steps
+        self.run_id: str | None = None
+
+    def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
+        mlflow.set_tracking_uri(self.tracking_uri)
+        client = MlflowClient()
+        if client.get_experiment_by_name(self.experiment_name) is None:
+            client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+        mlflow.set_experiment(self.experiment_name)
+        run = mlflow.start_run(run_name=self.run_name)
+        self.run_id = run.info.run_id
+        params = flatten(OmegaConf.to_container(cfg, resolve=True)) | (extra_params or {})
+        items = [(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            mlflow.log_params(dict(items[i:i + 100]))
+        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        log.info("mlflow: run %s in experiment %r at %s", self.run_id, self.experiment_name,
+                 self.tracking_uri)
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, synchronous=False)
+
+    def log_samples(self, samples, step: int, decode, name: str = "traces") -> None:
+        if not self.log_traces or step % self.traces_every_n_steps:
+            return
+        lines = "\n".join(json.dumps(s.to_trace(decode)) for s in samples)
+        mlflow.log_text(lines + "\n", f"{name}/step_{step:05d}.jsonl")
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id is not None:
+            mlflow.flush_async_logging()
+            mlflow.end_run(status=status)
+            self.run_id = None
+
+
+def sqlite_uri(path: str) -> str:
+    """Absolute sqlite URI so every run and sweep shares one store wherever it runs."""
+    return "sqlite:///" + os.path.abspath(path)

@@ -1,0 +1,178 @@
+"""GRPO TrainController: old/ref logprobs, group advantages, clipped token-level loss, sync.
+
+`fit(batch)` = compute_old_logprobs (or the rollout's behaviour logprobs)
+             -> compute_ref_logprobs -> compute_advantages -> train.
+Per-token tensors are aligned to `Sample.tokens`; entry k is log p(token k | tokens < k),
+entry 0 is unused (0)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlexp.sample import Sample, Status
+from rlexp.trainer.advantages import group_advantages
+from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl
+from rlexp.trainer.packer import PackedRow, pack
+
+log = logging.getLogger(__name__)
+
+
+class GRPOTrainer:
+    def __init__(
+        self,
+        model_path: str,
+        temperature: float,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        total_steps: int,
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        kl_coef: float = 0.0,
+        track_ref_kl: bool = True,
+        entropy_coef: float = 0.0,
+        max_grad_norm: float = 1.0,
+        norm_adv_by_std: bool = True,
+        old_logprobs: str = "rollout",
+        minibatches_per_step: int = 1,
+        micro_batch_tokens: int = 8192,
+        dtype: str = "float32",
+    ):
+        if old_logprobs not in ("rollout", "recompute"):
+            raise ValueError(f"trainer.old_logprobs must be 'rollout' or 'recompute', got {old_logprobs!r}")
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).train()
+        self.ref = None
+        if kl_coef > 0 or track_ref_kl:
+            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = optimizer(self.model.parameters())
+        self.temperature = temperature
+        self.total_steps = total_steps
+        self.clip = (clip_ratio_low, clip_ratio_high)
+        self.kl_coef = kl_coef
+        self.entropy_coef = entropy_coef
+        self.max_grad_norm = max_grad_norm
+        self.norm_adv_by_std = norm_adv_by_std
+        self.old_logprobs = old_logprobs
+        self.minibatches_per_step = minibatches_per_step
+        self.micro_batch_tokens = micro_batch_tokens
+
+    # ---- low-level API -------------------------------------------------------------
+    @torch.no_grad()
+    def compute_old_logprobs(self, batch: list[Sample]) -> list[torch.Tensor]:
+        """Logprobs of the batch's tokens under the current policy (before this update)."""
+        return self._logprobs(self.model, batch)
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, batch: list[Sample]) -> list[torch.Tensor] | None:
+        return None if self.ref is None else self._logprobs(self.ref, batch)
+
+    def compute_advantages(self, batch: list[Sample]) -> torch.Tensor:
+        rewards = torch.tensor([s.reward for s in batch], dtype=torch.float32)
+        return group_advantages(rewards, [s.group_id for s in batch], self.norm_adv_by_std)
+
+    def train(self, batch: list[Sample], old: list[torch.Tensor], adv: torch.Tensor,
+              ref: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Optimizer steps over `minibatches_per_step` slices of the batch."""
+        idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
+        stats: dict[str, list[float]] = {}
+        n_mb = min(self.minibatches_per_step, max(len(idx), 1))
+        for m in range(n_mb):
+            part = idx[m::n_mb]
+            if not part:
+                continue
+            self._train_minibatch([batch[i] for i in part], [old[i] for i in part],
+                                  adv[part], None if ref is None else [ref[i] for i in part],
+                                  stats, first=m == 0)
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def fit(self, batch: list[Sample]) -> dict[str, float]:
+        if self.old_logprobs == "recompute":
+            old = self.compute_old_logprobs(batch)
+        else:
+            old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
+        ref = self.compute_ref_logprobs(batch)
+        adv = self.compute_advantages(batch)
+        metrics = self.train(batch, old, adv, ref)
+        metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
+        return metrics
+
+    async def sync_weights(self, engine) -> None:
+        await engine.update_weights(self.model.state_dict())
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    # ---- internals -----------------------------------------------------------------
+    def _rows(self, samples: list[Sample]) -> list[PackedRow]:
+        return pack([s.tokens for s in samples], self.micro_batch_tokens)
+
+    def _row_forward(self, model, row: PackedRow, samples: list[Sample], entropy: bool = False):
+        """Logprobs (and entropies) of every predicted token of a packed row, in member order."""
+        logits = model(input_ids=row.input_ids.to(self.device),
+                       position_ids=row.position_ids.to(self.device), use_cache=False).logits[0]
+        logits = logits.float() / self.temperature
+        pred = torch.cat([torch.arange(o, o + len(samples[i].tokens) - 1)
+                          for i, o in zip(row.members, row.offsets)]).to(self.device)
+        targets = row.input_ids[0, 1:].to(self.device)[pred]
+        logp = torch.log_softmax(logits[pred], -1).gather(-1, targets[:, None])[:, 0]
+        ent = entropy_from_logits(logits[pred]) if entropy else None
+        return logp, ent
+
+    def _logprobs(self, model, samples: list[Sample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+        for row in self._rows(samples):
+            logp, _ = self._row_forward(model, row, samples)
+            start = 0
+            for i in row.members:
+                n = len(samples[i].tokens) - 1
+                out[i] = torch.cat([torch.zeros(1), logp[start:start + n].cpu()])
+                start += n
+        return out
+
+    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool) -> None:
+        n_tokens = sum(s.response_length for s in samples)
+        low, high = self.clip
+        acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
+               "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0}
+        for row in self._rows(samples):
+            logp, ent = self._row_forward(self.model, row, samples, entropy=True)
+            cat = lambda xs: torch.cat([x[1:] for x in xs]).to(self.device)  # noqa: E731
+            members = row.members
+            mask = cat([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in members])
+            old_lp = cat([old[i] for i in members])
+            a = cat([torch.full((len(samples[i].tokens),), adv[i].item()) for i in members])
+            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, a, low, high)
+            loss_tok = pg - self.entropy_coef * ent
+            kl = k3_kl(logp, cat([ref[i] for i in members])) if ref is not None else None
+            if kl is not None and self.kl_coef > 0:
+                loss_tok = loss_tok + self.kl_coef * kl
+            loss = (loss_tok * mask).sum() / n_tokens
+            loss.backward()
+            msum = lambda x: (x.detach() * mask).sum().item() / n_tokens  # noqa: E731
+            acc["loss"] += loss.item()
+            acc["pg_loss"] += msum(pg)
+            acc["entropy"] += msum(ent)
+            acc["clip_frac"] += msum(clipped)
+            acc["ratio_mean"] += msum(ratio)
+            acc["ratio_max"] = max(acc["ratio_max"], (ratio * mask).max().item())
+            if kl is not None:
+                acc["kl"] += msum(kl)
+            # Before the first optimizer step the trainer holds the rollout policy, so this
+            # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
+            acc["mismatch_kl"] += msum(k3_kl(logp, old_lp)) if first else 0.0
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        acc["grad_norm"] = grad_norm.item()
+        acc["response_tokens"] = float(n_tokens)
+        if ref is None:
+            del acc["kl"]  # no reference model: nothing measured, log nothing
+        if not first:
+            del acc["mismatch_kl"]
+        for k, v in acc.items():
+            stats.setdefault(f"train/{k}", []).append(v)
