@@ -13,9 +13,12 @@ def render_prompt(tokenizer, messages) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def request_seed(base: int | None, uid: int) -> int | None:
-    """A per-sample seed: reproducible rollouts whatever order requests finish in."""
-    return None if base is None else hash((base, uid)) & 0x7FFFFFFF
+def request_seed(base: int | None, sample: Sample) -> int | None:
+    """The engine seed for one sample: from the sampling seed and the sample's own seed
+    (set by the DataManager), so rollouts reproduce whatever order requests finish in."""
+    if base is None:
+        return None
+    return hash((base, sample.metadata.get("seed", sample.uid))) & 0x7FFFFFFF
 
 
 class SingleTurnAgent:
@@ -27,7 +30,7 @@ class SingleTurnAgent:
 
     async def run(self, sample: Sample) -> Sample:
         prompt = render_prompt(self.tokenizer, sample.prompt)
-        sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample.uid))
+        sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
         gen = await self.engine.generate(prompt, sampling)
         sample.prompt_token_ids = prompt
         sample.tokens = prompt + gen.token_ids

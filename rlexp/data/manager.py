@@ -22,6 +22,7 @@ class DataManager:
         self.samples_per_prompt = samples_per_prompt
         self.split = split
         self.replay_buffer_size = replay_buffer_size
+        self.seed = seed
         self._rng = random.Random(seed)
         self._order: list[int] = []
         self._next_group = 0
@@ -43,8 +44,11 @@ class DataManager:
         for _ in range(n):
             p = self._next_problem()
             gid, self._next_group = self._next_group, self._next_group + 1
-            groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer)
-                           for _ in range(self.samples_per_prompt)])
+            # A per-sample seed fixed by (seed, group, index): the same run config rolls out the
+            # same tokens whatever the order in which requests are issued or finish.
+            groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer,
+                                  metadata={"seed": hash((self.seed, gid, i)) & 0x7FFFFFFF})
+                           for i in range(self.samples_per_prompt)])
         return groups
 
     def put(self, groups: list[list[Sample]]) -> None:

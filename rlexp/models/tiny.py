@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 from rlexp.data import arithmetic
 
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 # Prefix-preserving: rendering messages[:k] is a prefix of rendering messages[:k+1].
 CHAT_TEMPLATE = (
@@ -35,23 +34,28 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-FORMAT_VERSION = 1  # bump when the build recipe changes, to invalidate caches
+FORMAT_VERSION = 3  # bump when the build recipe changes, to invalidate caches
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    hf.chat_template = CHAT_TEMPLATE
-    return hf
+def _byte_level(ch: str) -> str:
+    """GPT-2 / Qwen byte-level alphabet: printable bytes map to themselves, others shift."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    b = ord(ch)
+    return ch if b in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def build_char_tokenizer() -> Qwen2Tokenizer:
+    """A byte-level BPE with no merges: one token per character.
+
+    It is a Qwen2Tokenizer on purpose: `AutoTokenizer` (and vLLM) load any qwen2-type
+    checkpoint's tokenizer as one, so building it this way makes the saved tokenizer load
+    back identically everywhere (a plain character vocab silently lost spaces and newlines)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab |= {_byte_level(c): len(SPECIAL_TOKENS) + i for i, c in enumerate(CHARS)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def build_tiny_model(
@@ -63,6 +67,7 @@ def build_tiny_model(
     warm_start_steps: int,
     warm_start_batch_size: int,
     warm_start_lr: float,
+    warm_start_target_accuracy: float,
     task_max_operand: int,
     task_ops: str,
     task_eval_size: int,
@@ -100,9 +105,8 @@ def build_tiny_model(
     )
     model = Qwen2ForCausalLM(config)
     train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
-    _warm_start(
-        model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr, seed
-    )
+    _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
+                warm_start_target_accuracy, seed)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -113,14 +117,20 @@ def build_tiny_model(
     return str(out)
 
 
-def _warm_start(model, tokenizer, problems, steps, batch_size, lr, seed) -> None:
-    """Supervised next-token training on `<chat prompt>answer<|im_end|>`, loss on the answer."""
+def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accuracy, seed) -> None:
+    """Supervised next-token training on `<chat prompt>answer<|im_end|>`, loss on the answer,
+    for at most `steps` steps, stopping early once greedy decoding solves `target_accuracy`
+    of a fixed probe of 256 *training* problems (checked every 25 steps)."""
     if steps <= 0:
         return
     rng = random.Random(seed)
+    probe = problems[:256]
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    warmup = max(1, min(50, steps // 5))
+    for step in range(1, steps + 1):
+        for group in opt.param_groups:  # linear warm-up: a constant high lr from step 1 diverges
+            group["lr"] = lr * min(1.0, step / warmup)
         rows, labels = [], []
         for question, answer in rng.choices(problems, k=batch_size):
             prompt = tokenizer.apply_chat_template(
@@ -138,4 +148,25 @@ def _warm_start(model, tokenizer, problems, steps, batch_size, lr, seed) -> None
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if step % 25 == 0 and target_accuracy < 1.0:
+            accuracy = greedy_accuracy(model, tokenizer, probe)
+            model.train()
+            log.info("tiny model: warm-start step %d, probe accuracy %.3f", step, accuracy)
+            if accuracy >= target_accuracy:
+                break
     model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6) -> float:
+    model.eval()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                             add_generation_prompt=True, tokenize=False)
+               for q, _ in problems]
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    tokenizer.padding_side = side
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+    return sum(t.strip() == a for t, (_, a) in zip(texts, problems)) / len(problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import shutil
@@ -117,5 +118,11 @@ class VLLMEngine:
             await self.llm.wake_up()
 
     def shutdown(self) -> None:
+        if self.llm is None:
+            return
         self.llm.shutdown()
+        # Drop the engine now: its destructor calls shutdown again, which fails noisily
+        # (TypeError) when it only runs during interpreter exit.
+        self.llm = None
+        gc.collect()
         shutil.rmtree(self._weights_dir, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""rlexp's rollout throughput over raw vLLM's, side by side in one process.
+
+    .venv/bin/python bench/rollout_overhead.py [--prompts 32 --samples 8 --max-tokens 8 --reps 5]
+
+Both paths use one vLLM AsyncLLM, the same prompts, the same per-request seeds and the
+same SamplingParams, so they generate the same tokens. The raw path calls
+`AsyncLLM.generate` directly; the rlexp path goes through DataManager -> SyncScheduler
+-> SingleTurnAgent -> VLLMEngine -> Judge, plus trace capture (each sample serialised to
+a JSONL line and written to disk). Repetitions alternate raw/rlexp; the ratio is the
+median over repetitions of rlexp tokens/s divided by raw tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from rlexp.agents.single_turn import SingleTurnAgent, render_prompt, request_seed
+from rlexp.data.manager import DataManager
+from rlexp.data.sources import ArithmeticSource
+from rlexp.judges.math_exact import MathExactJudge
+from rlexp.models.tiny import build_tiny_model
+from rlexp.rollout.vllm_engine import VLLMEngine
+from rlexp.schedulers.sync import SyncScheduler
+
+
+def data_manager(args, rep: int) -> DataManager:
+    src = ArithmeticSource(max_operand=29, ops="+", eval_size=200, seed=0)
+    return DataManager(src, prompts_per_step=args.prompts, samples_per_prompt=args.samples, seed=rep)
+
+
+async def raw_vllm(engine: VLLMEngine, tokenizer, args, rep: int) -> tuple[int, float]:
+    from vllm import SamplingParams
+
+    groups = data_manager(args, rep).sample_groups(args.prompts)
+    samples = [s for g in groups for s in g]
+    prompts = [render_prompt(tokenizer, s.prompt) for s in samples]
+
+    async def one(i, prompt, seed):
+        params = SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens,
+                                seed=seed, logprobs=0, detokenize=False)
+        final = None
+        async for out in engine.llm.generate({"prompt_token_ids": prompt}, params, request_id=f"raw{rep}-{i}"):
+            final = out
+        return len(final.outputs[0].token_ids)
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, p, request_seed(args.seed, s))
+                                    for i, (p, s) in enumerate(zip(prompts, samples))))
+    return sum(counts), time.perf_counter() - t0
+
+
+async def rlexp_path(engine, tokenizer, args, rep: int, trace_dir: Path) -> tuple[int, float]:
+    data = data_manager(args, rep)
+    agent = SingleTurnAgent(engine, tokenizer, MathExactJudge())
+    t0 = time.perf_counter()
+    batch = await SyncScheduler().produce_batch(data, agent)
+    lines = "\n".join(json.dumps(s.to_trace(tokenizer.decode)) for s in batch)
+    (trace_dir / f"step_{rep:05d}.jsonl").write_text(lines + "\n")
+    return sum(s.response_length for s in batch), time.perf_counter() - t0
+
+
+async def main(args) -> None:
+    model = build_tiny_model(".cache/models", seed=0, hidden_size=128, num_layers=2, num_heads=2,
+                             warm_start_steps=args.warm_start_steps, warm_start_batch_size=64,
+                             warm_start_lr=0.002, task_max_operand=29, task_ops="+",
+                             task_eval_size=200, task_seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = VLLMEngine(model, seed=args.seed, temperature=args.temperature,
+                        max_response_tokens=args.max_tokens, max_model_len=256)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            await raw_vllm(engine, tokenizer, args, -1)  # warm-up
+            await rlexp_path(engine, tokenizer, args, -1, Path(tmp))
+            for rep in range(args.reps):
+                raw_tok, raw_s = await raw_vllm(engine, tokenizer, args, rep)
+                our_tok, our_s = await rlexp_path(engine, tokenizer, args, rep, Path(tmp))
+                rows.append((raw_tok / raw_s, our_tok / our_s, raw_tok, our_tok))
+    finally:
+        engine.shutdown()
+    print(f"\nrequests per repetition: {args.prompts * args.samples}  max_tokens: {args.max_tokens}")
+    print(f"{'rep':>3} {'raw tok/s':>10} {'rlexp tok/s':>12} {'ratio':>6} {'raw tok':>8} {'rlexp tok':>9}")
+    for i, (raw, ours, rt, ot) in enumerate(rows):
+        print(f"{i:>3} {raw:>10.0f} {ours:>12.0f} {ours / raw:>6.3f} {rt:>8} {ot:>9}")
+    ratio = statistics.median(o / r for r, o, *_ in rows)
+    print(f"rollout throughput ratio (rlexp / raw vLLM), median of {args.reps}: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--warm-start-steps", type=int, default=600,
+                   help="0 gives an untrained model whose responses run to --max-tokens")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(main(p.parse_args()))

@@ -1,0 +1,37 @@
+import importlib.util
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_steps=40,
+               warm_start_batch_size=32, warm_start_lr=0.002, warm_start_target_accuracy=1.0,
+               task_max_operand=29, task_ops="+",
+               task_eval_size=200, task_seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="vLLM is not installed"))
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    from rlexp.models.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("models")), **TINY_KW)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)

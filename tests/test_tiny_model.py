@@ -1,0 +1,57 @@
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlexp.agents.single_turn import render_prompt
+from rlexp.models.tiny import build_char_tokenizer, build_tiny_model
+from tests.conftest import TINY_KW
+
+
+def test_char_tokenizer_roundtrip_and_specials():
+    tok = build_char_tokenizer()
+    text = "12+34=46\nOk, (x) done!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text)  # one token per character
+    assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(tok.encode("<|im_end|>", add_special_tokens=False)) == ["<|im_end|>"]
+
+
+def test_chat_template_is_prefix_preserving():
+    tok = build_char_tokenizer()
+    msgs = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "2"}]
+    renders = [tok.apply_chat_template(msgs[:k], tokenize=False) for k in range(1, 5)]
+    for shorter, longer in zip(renders, renders[1:]):
+        assert longer.startswith(shorter)
+    gen = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    assert renders[1].startswith(gen)
+
+
+def test_built_model_is_cached_and_loads(tiny_model_path, tokenizer):
+    cache = os.path.dirname(tiny_model_path)
+    mtime = os.path.getmtime(os.path.join(tiny_model_path, "config.json"))
+    assert build_tiny_model(cache, **TINY_KW) == tiny_model_path  # second call: cache hit
+    assert os.path.getmtime(os.path.join(tiny_model_path, "config.json")) == mtime
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert model.config.tie_word_embeddings
+    assert model.config.hidden_size // model.config.num_attention_heads == 64
+    ids = render_prompt(tokenizer, [{"role": "user", "content": "3+4="}])
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    out = model(input_ids=torch.tensor([ids])).logits
+    assert out.shape == (1, len(ids), model.config.vocab_size)
+
+
+def test_build_is_deterministic_from_seed(tmp_path):
+    kw = TINY_KW | {"warm_start_steps": 3}
+    a = build_tiny_model(str(tmp_path / "a"), **kw)
+    b = build_tiny_model(str(tmp_path / "b"), **kw)
+    sa = AutoModelForCausalLM.from_pretrained(a).state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(b).state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_bad_head_dim_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="head dim"):
+        build_tiny_model(str(tmp_path), **(TINY_KW | {"num_heads": 8}))

@@ -1,0 +1,105 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlexp.sample import Sample, Status
+from rlexp.trainer.advantages import group_advantages
+from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.losses import clipped_pg_loss, k3_kl
+from rlexp.trainer.packer import pack
+
+
+def test_group_advantages_normalize_within_groups():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    adv = group_advantages(r, [0, 0, 0, 1, 1, 1])
+    assert adv[0] > 0 > adv[1] and adv[3] < 0 < adv[4]
+    assert abs(adv[:3].sum()) < 1e-5 and abs(adv[3:].sum()) < 1e-5
+    assert torch.allclose(adv[:3].std(unbiased=False), torch.tensor(1.0), atol=1e-4)
+    same = group_advantages(torch.tensor([1.0, 1.0]), [7, 7])
+    assert torch.equal(same, torch.zeros(2))
+
+
+def test_clipped_loss_clips_only_beyond_the_trust_region():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, ratio, clipped = clipped_pg_loss(logp, old, adv, 0.2, 0.2)
+    assert torch.allclose(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5]))
+    # A>0, r=1.5 > 1.2: clipped (no incentive to push further); A<0, r=0.5 < 0.8: clipped
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert torch.allclose(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
+
+
+def test_k3_kl_zero_iff_equal():
+    a = torch.tensor([-1.0, -2.0])
+    assert torch.equal(k3_kl(a, a), torch.zeros(2))
+    assert (k3_kl(a, a + 0.3) > 0).all()
+
+
+def test_packer_covers_every_sequence_once_within_budget():
+    seqs = [[1] * n for n in (5, 9, 3, 7, 2, 12)]
+    rows = pack(seqs, max_tokens_per_row=12)
+    assert sorted(i for r in rows for i in r.members) == list(range(6))
+    for r in rows:
+        assert r.input_ids.shape[1] <= 12
+        for i, off in zip(r.members, r.offsets):
+            assert r.position_ids[0, off:off + len(seqs[i])].tolist() == list(range(len(seqs[i])))
+    assert len(rows) == 4  # 38 tokens need at least 4 rows of 12
+
+
+def _trainer(path, **kw):
+    opt = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    return GRPOTrainer(path, temperature=0.7, optimizer=opt, total_steps=1, **kw)
+
+
+def _batch(tokenizer, texts):
+    from rlexp.agents.single_turn import render_prompt
+
+    out = []
+    for gid, (q, responses) in enumerate(texts):
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": q}])
+        for resp, reward in responses:
+            r = tokenizer.encode(resp, add_special_tokens=False) + [tokenizer.eos_token_id]
+            s = Sample(group_id=gid, prompt=[], answer="", tokens=prompt + r,
+                       loss_mask=[0] * len(prompt) + [1] * len(r), logprobs=[0.0] * (len(prompt) + len(r)),
+                       reward=reward, status=Status.COMPLETED)
+            out.append(s)
+    return out
+
+
+def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer):
+    batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("1", 0.0)]), ("7+7=", [("14", 1.0), ("99999", 0.0)])])
+    trainer = _trainer(tiny_model_path, micro_batch_tokens=4096, track_ref_kl=False)
+    packed = trainer.compute_old_logprobs(batch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    for s, lp in zip(batch, packed):
+        with torch.no_grad():
+            logits = model(torch.tensor([s.tokens])).logits[0] / 0.7
+        ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
+        assert torch.allclose(lp[1:], ref, atol=1e-5)
+
+
+def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, tokenizer):
+    batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("51", 0.0), ("15", 1.0), ("5", 0.0)])])
+    trainer = _trainer(tiny_model_path, track_ref_kl=True)
+    before = trainer.compute_old_logprobs(batch)
+    for s, lp in zip(batch, before):
+        s.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
+    metrics = trainer.fit(batch)
+    after = trainer.compute_old_logprobs(batch)
+    resp = lambda s, lp: (lp * torch.tensor(s.loss_mask)).sum().item()  # noqa: E731
+    assert resp(batch[0], after[0]) > resp(batch[0], before[0])
+    assert resp(batch[1], after[1]) < resp(batch[1], before[1])
+    assert metrics["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # ref == policy before the step
+    assert metrics["train/grad_norm"] > 0 and metrics["train/entropy"] > 0
+    metrics = trainer.fit(batch)  # second step: the policy has drifted from the reference
+    assert metrics["train/kl"] > 0
+
+
+def test_failed_samples_are_not_trained(tiny_model_path, tokenizer):
+    batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
+    batch[0].status = Status.FAILED
+    trainer = _trainer(tiny_model_path, track_ref_kl=False)
+    metrics = trainer.fit(batch)
+    assert metrics["train/response_tokens"] == batch[1].response_length
