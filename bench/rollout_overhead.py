@@ -48,7 +48,8 @@ async def raw_vllm(engine: VLLMEngine, tokenizer, args, rep: int) -> tuple[int, 
         params = SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens,
                                 seed=seed, logprobs=0, detokenize=False)
         final = None
-        async for out in engine.llm.generate({"prompt_token_ids": prompt}, params, request_id=f"raw{rep}-{i}"):
+        request = {"prompt_token_ids": prompt}
+        async for out in engine.llm.generate(request, params, request_id=f"raw{rep}-{i}"):
             final = out
         return len(final.outputs[0].token_ids)
 

@@ -90,7 +90,8 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         validate_lengths(cfg, longest, f"{split} split")
 
     tracker = build(cfg, "logger")
-    tracker.start(cfg, extra_params={f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path})
+    extra = {f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path}
+    tracker.start(cfg, extra_params=extra)
     engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
     status, final = "FAILED", {}
     try:
@@ -117,7 +118,8 @@ async def run(cfg: DictConfig) -> dict[str, float]:
                 "timing/step_s": t3 - t0, "rollout/policy_version": float(engine.version)}
             tracker.log_metrics(metrics, step + 1)
             tracker.log_samples(batch, step + 1, tokenizer.decode)
-            log.info("step %4d/%d  reward %.3f  loss %+.4f  entropy %.3f  %.2fs (produce %.2f fit %.2f sync %.2f)",
+            log.info("step %4d/%d  reward %.3f  loss %+.4f  entropy %.3f  %.2fs "
+                     "(produce %.2f fit %.2f sync %.2f)",
                      step + 1, total, metrics["rollout/reward_mean"], metrics.get("train/loss", 0.0),
                      metrics.get("train/entropy", 0.0), t3 - t0, t1 - t0, t2 - t1, t3 - t2)
         final = await evaluate(total, *eval_args)

@@ -73,7 +73,8 @@ def _run(*overrides, timeout=120):
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.total_steps=0"], "rlexp: config error: trainer.total_steps must be >= 1, got 0"),
     (["data.prompts_per_step=100000"], "data.prompts_per_step=100000 cannot be filled"),
-    (["data=jsonl", "data.source.train_path=/nonexistent/train.jsonl"], "/nonexistent/train.jsonl: data file not found"),
+    (["data=jsonl", "data.source.train_path=/nonexistent/train.jsonl"],
+     "/nonexistent/train.jsonl: data file not found"),
     (["rollout.max_model_len=20", "model.warm_start_steps=0"], "rollout.max_model_len=20 is too short"),
 ])
 def test_bad_config_fails_fast_with_one_line(overrides, message, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlexp.agents.single_turn import render_prompt
-from rlexp.sample import SamplingConfig, Sample, Status
+from rlexp.sample import Sample, SamplingConfig, Status
 from rlexp.trainer.grpo import GRPOTrainer
 
 TEMPERATURE = 0.7

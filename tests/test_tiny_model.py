@@ -55,3 +55,17 @@ def test_build_is_deterministic_from_seed(tmp_path):
 def test_bad_head_dim_is_refused(tmp_path):
     with pytest.raises(ValueError, match="head dim"):
         build_tiny_model(str(tmp_path), **(TINY_KW | {"num_heads": 8}))
+
+
+def test_saved_tokenizer_loads_back_identically(tiny_model_path):
+    # AutoTokenizer (and vLLM) load a qwen2 checkpoint's tokenizer as Qwen2Tokenizer; an
+    # earlier plain character vocab lost every space and newline on that round trip.
+    from transformers import AutoTokenizer
+
+    text = "<|im_start|>user\n12 + 34 = ?<|im_end|>\n<|im_start|>assistant\n46<|im_end|>"
+    fresh = build_char_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert loaded.encode(text, add_special_tokens=False) == fresh.encode(text, add_special_tokens=False)
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    assert loaded.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False) == \
+        fresh.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False)

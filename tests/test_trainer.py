@@ -47,8 +47,8 @@ def test_packer_covers_every_sequence_once_within_budget():
     assert len(rows) == 4  # 38 tokens need at least 4 rows of 12
 
 
-def _trainer(path, **kw):
-    opt = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+def _trainer(path, lr=1e-3, **kw):
+    opt = lambda params: torch.optim.SGD(params, lr=lr)  # noqa: E731
     return GRPOTrainer(path, temperature=0.7, optimizer=opt, total_steps=1, **kw)
 
 
@@ -80,16 +80,16 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer
 
 
 def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, tokenizer):
-    batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("51", 0.0), ("15", 1.0), ("5", 0.0)])])
-    trainer = _trainer(tiny_model_path, track_ref_kl=True)
+    batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("99", 0.0), ("15", 1.0), ("99", 0.0)])])
+    trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=True)
     before = trainer.compute_old_logprobs(batch)
     for s, lp in zip(batch, before):
         s.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
     metrics = trainer.fit(batch)
     after = trainer.compute_old_logprobs(batch)
     resp = lambda s, lp: (lp * torch.tensor(s.loss_mask)).sum().item()  # noqa: E731
-    assert resp(batch[0], after[0]) > resp(batch[0], before[0])
-    assert resp(batch[1], after[1]) < resp(batch[1], before[1])
+    assert resp(batch[0], after[0]) > resp(batch[0], before[0]) + 1e-3  # rewarded: more likely
+    assert resp(batch[1], after[1]) < resp(batch[1], before[1]) - 1e-3  # unrewarded: less likely
     assert metrics["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # ref == policy before the step
     assert metrics["train/grad_norm"] > 0 and metrics["train/entropy"] > 0

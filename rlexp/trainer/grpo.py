@@ -139,32 +139,39 @@ class GRPOTrainer:
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
                "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0}
+        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+        advs = [torch.full((len(s.tokens),), adv[i].item()) for i, s in enumerate(samples)]
         for row in self._rows(samples):
             logp, ent = self._row_forward(self.model, row, samples, entropy=True)
-            cat = lambda xs: torch.cat([x[1:] for x in xs]).to(self.device)  # noqa: E731
             members = row.members
-            mask = cat([torch.tensor(samples[i].loss_mask, dtype=torch.float32) for i in members])
-            old_lp = cat([old[i] for i in members])
-            a = cat([torch.full((len(samples[i].tokens),), adv[i].item()) for i in members])
-            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, a, low, high)
+
+            def cat(xs, members=members):  # per-sample token tensors -> this row's predictions
+                return torch.cat([xs[i][1:] for i in members]).to(self.device)
+
+            mask, old_lp = cat(masks), cat(old)
+            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, cat(advs), low, high)
             loss_tok = pg - self.entropy_coef * ent
-            kl = k3_kl(logp, cat([ref[i] for i in members])) if ref is not None else None
+            kl = k3_kl(logp, cat(ref)) if ref is not None else None
             if kl is not None and self.kl_coef > 0:
                 loss_tok = loss_tok + self.kl_coef * kl
             loss = (loss_tok * mask).sum() / n_tokens
             loss.backward()
-            msum = lambda x: (x.detach() * mask).sum().item() / n_tokens  # noqa: E731
+
+            def masked_mean(x, mask=mask):  # share of this minibatch's token-mean
+                return (x.detach() * mask).sum().item() / n_tokens
+
             acc["loss"] += loss.item()
-            acc["pg_loss"] += msum(pg)
-            acc["entropy"] += msum(ent)
-            acc["clip_frac"] += msum(clipped)
-            acc["ratio_mean"] += msum(ratio)
+            acc["pg_loss"] += masked_mean(pg)
+            acc["entropy"] += masked_mean(ent)
+            acc["clip_frac"] += masked_mean(clipped)
+            acc["ratio_mean"] += masked_mean(ratio)
             acc["ratio_max"] = max(acc["ratio_max"], (ratio * mask).max().item())
             if kl is not None:
-                acc["kl"] += msum(kl)
+                acc["kl"] += masked_mean(kl)
             # Before the first optimizer step the trainer holds the rollout policy, so this
             # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
-            acc["mismatch_kl"] += msum(k3_kl(logp, old_lp)) if first else 0.0
+            if first:
+                acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
