@@ -39,6 +39,11 @@ def _float(cfg, key: str, minimum: float, strict: bool = False) -> float:
     return float(v)
 
 
+def _choice(cfg, key: str, choices: tuple[str, ...]) -> None:
+    if OmegaConf.select(cfg, key) is not None and _get(cfg, key) not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {_get(cfg, key)!r}")
+
+
 def validate(cfg: DictConfig) -> dict[str, int]:
     """Raise ConfigError naming the first bad key; return derived sizes for logging."""
     _int(cfg, "seed", 0)
@@ -63,6 +68,8 @@ def validate(cfg: DictConfig) -> dict[str, int]:
     _int(cfg, "trainer.micro_batch_tokens", 1)
     _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
     _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
+    _choice(cfg, "trainer.lr_schedule", ("constant", "cosine"))
+    _choice(cfg, "trainer.old_logprobs", ("rollout", "recompute"))
     return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
 
 

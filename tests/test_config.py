@@ -58,6 +58,7 @@ def test_cheap_groups_instantiate(group):
     ("rollout.max_response_tokens=abc", "must be an integer, got 'abc'"),
     ("rollout.temperature=0", "rollout.temperature must be > 0"),
     ("trainer.optimizer.lr=-1", "trainer.optimizer.lr must be > 0"),
+    ("trainer.lr_schedule=linear", "trainer.lr_schedule must be one of constant, cosine"),
 ])
 def test_validate_names_the_bad_key(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -103,3 +103,15 @@ def test_failed_samples_are_not_trained(tiny_model_path, tokenizer):
     trainer = _trainer(tiny_model_path, track_ref_kl=False)
     metrics = trainer.fit(batch)
     assert metrics["train/response_tokens"] == batch[1].response_length
+
+
+def test_lr_schedules():
+    from rlexp.trainer.grpo import lr_factor
+
+    cos = lr_factor("cosine", warmup_steps=10, total_steps=110)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0)
+    assert cos(10) == pytest.approx(1.0) and cos(60) == pytest.approx(0.55)
+    assert cos(110) == pytest.approx(0.1) and cos(500) == pytest.approx(0.1)
+    assert lr_factor("constant", 0, 100)(99) == 1.0
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_factor("linear", 0, 10)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,22 @@ from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl
 from rlexp.trainer.packer import PackedRow, pack
 
 log = logging.getLogger(__name__)
+
+
+def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base lr at RL step t: linear warm-up, then constant or cosine to 10%."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"trainer.lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+
+    def factor(t: int) -> float:
+        if t < warmup_steps:
+            return (t + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (t - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 class GRPOTrainer:
@@ -37,6 +54,8 @@ class GRPOTrainer:
         max_grad_norm: float = 1.0,
         norm_adv_by_std: bool = True,
         old_logprobs: str = "rollout",
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
         minibatches_per_step: int = 1,
         micro_batch_tokens: int = 8192,
         dtype: str = "float32",
@@ -50,6 +69,8 @@ class GRPOTrainer:
         if kl_coef > 0 or track_ref_kl:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = optimizer(self.model.parameters())
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
         self.temperature = temperature
         self.total_steps = total_steps
         self.clip = (clip_ratio_low, clip_ratio_high)
@@ -99,6 +120,8 @@ class GRPOTrainer:
         adv = self.compute_advantages(batch)
         metrics = self.train(batch, old, adv, ref)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step()  # one schedule step per fit (per RL step)
         return metrics
 
     async def sync_weights(self, engine) -> None:
