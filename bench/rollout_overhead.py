@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import statistics
@@ -21,19 +22,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 from transformers import AutoTokenizer
 
+import rlexp.config  # noqa: F401  (registers the config resolvers)
 from rlexp.agents.single_turn import SingleTurnAgent, render_prompt, request_seed
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.judges.math_exact import MathExactJudge
-from rlexp.models.tiny import build_tiny_model
 from rlexp.rollout.vllm_engine import VLLMEngine
 from rlexp.schedulers.sync import SyncScheduler
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
 
 def data_manager(args, rep: int) -> DataManager:
-    src = ArithmeticSource(max_operand=29, ops="+", eval_size=200, seed=0)
+    src = ArithmeticSource(max_operand=99, ops="+", eval_size=200, seed=0)
     return DataManager(src, prompts_per_step=args.prompts, samples_per_prompt=args.samples, seed=rep)
 
 
@@ -70,10 +75,9 @@ async def rlexp_path(engine, tokenizer, args, rep: int, trace_dir: Path) -> tupl
 
 
 async def main(args) -> None:
-    model = build_tiny_model(".cache/models", seed=0, hidden_size=128, num_layers=2, num_heads=2,
-                             warm_start_steps=args.warm_start_steps, warm_start_batch_size=64,
-                             warm_start_lr=0.002, task_max_operand=29, task_ops="+",
-                             task_eval_size=200, task_seed=0)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model.warm_start_steps={args.warm_start_steps}"])
+    model = instantiate(cfg.model)  # the default experiment's model (built once, cached)
     tokenizer = AutoTokenizer.from_pretrained(model)
     engine = VLLMEngine(model, seed=args.seed, temperature=args.temperature,
                         max_response_tokens=args.max_tokens, max_model_len=256)
@@ -82,9 +86,16 @@ async def main(args) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             await raw_vllm(engine, tokenizer, args, -1)  # warm-up
             await rlexp_path(engine, tokenizer, args, -1, Path(tmp))
+            gc.collect()
+            gc.freeze()  # as rlexp.run does after start-up: cheap full collections
             for rep in range(args.reps):
-                raw_tok, raw_s = await raw_vllm(engine, tokenizer, args, rep)
-                our_tok, our_s = await rlexp_path(engine, tokenizer, args, rep, Path(tmp))
+                # Alternate which path goes first, so neither always meets a warmer engine.
+                if rep % 2 == 0:
+                    raw_tok, raw_s = await raw_vllm(engine, tokenizer, args, rep)
+                    our_tok, our_s = await rlexp_path(engine, tokenizer, args, rep, Path(tmp))
+                else:
+                    our_tok, our_s = await rlexp_path(engine, tokenizer, args, rep, Path(tmp))
+                    raw_tok, raw_s = await raw_vllm(engine, tokenizer, args, rep)
                 rows.append((raw_tok / raw_s, our_tok / our_s, raw_tok, our_tok))
     finally:
         engine.shutdown()
@@ -93,7 +104,11 @@ async def main(args) -> None:
     for i, (raw, ours, rt, ot) in enumerate(rows):
         print(f"{i:>3} {raw:>10.0f} {ours:>12.0f} {ours / raw:>6.3f} {rt:>8} {ot:>9}")
     ratio = statistics.median(o / r for r, o, *_ in rows)
+    pooled = sum(r[3] for r in rows) / sum(r[3] / r[1] for r in rows)
+    pooled_raw = sum(r[2] for r in rows) / sum(r[2] / r[0] for r in rows)
     print(f"rollout throughput ratio (rlexp / raw vLLM), median of {args.reps}: {ratio:.3f}")
+    print(f"pooled over all repetitions: rlexp {pooled:.0f} tok/s, raw {pooled_raw:.0f} tok/s, "
+          f"ratio {pooled / pooled_raw:.3f}")
 
 
 if __name__ == "__main__":
@@ -102,9 +117,9 @@ if __name__ == "__main__":
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--warm-start-steps", type=int, default=600,
+    p.add_argument("--warm-start-steps", type=int, default=1500,
                    help="0 gives an untrained model whose responses run to --max-tokens")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(main(p.parse_args()))

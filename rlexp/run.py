@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import sys
@@ -100,6 +101,10 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         scheduler = build(cfg, "scheduler")
         trainer = build(cfg, "trainer", model_path=model_path, temperature=cfg.rollout.temperature)
         eval_args = (engine, tokenizer, cfg, eval_data, SyncScheduler, evaluator, judge, tracker)
+        # Everything built so far lives for the whole run: move it out of the cyclic GC's
+        # reach, so full collections stay cheap (they otherwise stall rollouts for ~0.3 s).
+        gc.collect()
+        gc.freeze()
         total = cfg.trainer.total_steps
         for step in range(total):
             if step % evaluator.every_n_steps == 0:

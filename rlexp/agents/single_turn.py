@@ -9,8 +9,9 @@ from rlexp.sample import Sample, SamplingConfig, Status
 
 def render_prompt(tokenizer, messages) -> list[int]:
     """Chat-template the prompt messages into token ids (the only tokenization we do)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template writes special tokens as text; add_special_tokens=False adds no BOS twice.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def request_seed(base: int | None, sample: Sample) -> int | None:
@@ -21,15 +22,35 @@ def request_seed(base: int | None, sample: Sample) -> int | None:
     return hash((base, sample.metadata.get("seed", sample.uid))) & 0x7FFFFFFF
 
 
+class PromptCache:
+    """Chat-templated prompt ids by message content: the samples of a group share one
+    prompt, so it is rendered once per group, not once per sample."""
+
+    def __init__(self, tokenizer, max_entries: int = 8192):
+        self.tokenizer = tokenizer
+        self.max_entries = max_entries
+        self._ids: dict[tuple, list[int]] = {}
+
+    def __call__(self, messages: list[dict[str, str]]) -> list[int]:
+        key = tuple((m["role"], m["content"]) for m in messages)
+        ids = self._ids.get(key)
+        if ids is None:
+            if len(self._ids) >= self.max_entries:
+                self._ids.clear()
+            ids = self._ids[key] = render_prompt(self.tokenizer, messages)
+        return list(ids)
+
+
 class SingleTurnAgent:
     def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.judge = judge
         self.sampling = sampling or engine.sampling
+        self.render = PromptCache(tokenizer)
 
     async def run(self, sample: Sample) -> Sample:
-        prompt = render_prompt(self.tokenizer, sample.prompt)
+        prompt = self.render(sample.prompt)
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
         gen = await self.engine.generate(prompt, sampling)
         sample.prompt_token_ids = prompt

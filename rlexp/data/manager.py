@@ -27,16 +27,20 @@ class DataManager:
         self._order: list[int] = []
         self._next_group = 0
         self._buffer: deque[list[Sample]] = deque()
+        self._new_epoch()  # now, not on the first draw: keep the shuffle off the rollout path
 
     def __len__(self) -> int:
         return len(self.problems)
 
+    def _new_epoch(self) -> None:
+        self._order = list(range(len(self.problems)))
+        if self.split == "train":
+            self._rng.shuffle(self._order)
+        self._order.reverse()
+
     def _next_problem(self) -> Problem:
         if not self._order:
-            self._order = list(range(len(self.problems)))
-            if self.split == "train":
-                self._rng.shuffle(self._order)
-            self._order.reverse()
+            self._new_epoch()
         return self.problems[self._order.pop()]
 
     def sample_groups(self, n: int) -> list[list[Sample]]:
