@@ -42,6 +42,9 @@ class Evaluator:
             "eval/prompts": float(len(groups)),
             "eval/failed": float(len(batch) - len(done)),
         }
+        firsts = [s.reward_components["turn_1"] for s in done if "turn_1" in s.reward_components]
+        if firsts:  # multi-turn: how often the first answer was already right
+            metrics["eval/first_turn_accuracy"] = sum(firsts) / len(batch)
         k = 1
         while k <= n:
             full = [g for g in groups.values() if len(g) == n]

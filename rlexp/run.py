@@ -39,7 +39,13 @@ def rollout_metrics(batch, produce_s: float) -> dict[str, float]:
     tokens = sum(s.response_length for s in batch)
     counts = Counter(s.status.value for s in batch)
     n = max(len(done), 1)
-    return {
+    # Agent-specific per-sample metrics: `*_mean` keys are averaged, others summed.
+    extra: dict[str, list[float]] = {}
+    for s in batch:
+        for k, v in s.metadata.get("metrics", {}).items():
+            extra.setdefault(k, []).append(v)
+    agent_metrics = {k: sum(v) / len(v) if k.endswith("_mean") else sum(v) for k, v in extra.items()}
+    return agent_metrics | {
         "rollout/reward_mean": sum(s.reward for s in done) / n,
         "rollout/accuracy": sum(s.reward_components.get("correct", 0.0) for s in done) / n,
         "rollout/response_length_mean": sum(s.response_length for s in done) / n,
@@ -50,14 +56,11 @@ def rollout_metrics(batch, produce_s: float) -> dict[str, float]:
     }
 
 
-async def evaluate(step, engine, tokenizer, cfg, eval_data, scheduler_cls, evaluator, judge,
-                   tracker) -> dict[str, float]:
-    """Roll out the held-out split with the eval sampling settings, then score the batch."""
-    sampling = SamplingConfig(evaluator.temperature, 1.0, cfg.rollout.max_response_tokens, cfg.seed)
-    agent = instantiate(cfg.agent, engine=engine, tokenizer=tokenizer, judge=judge, sampling=sampling,
-                        _convert_="object")  # keep `sampling` a dataclass, not a DictConfig
+async def evaluate(step, agent, tokenizer, eval_data, evaluator, tracker) -> dict[str, float]:
+    """Roll out the held-out split with the eval agent (eval sampling settings), then score
+    the batch. Nothing else is generating meanwhile: evaluation has the engine to itself."""
     t0 = time.time()
-    batch = await scheduler_cls().produce_batch(eval_data, agent)
+    batch = await SyncScheduler().produce_batch(eval_data, agent)
     metrics = evaluator.evaluate(batch) | {"timing/eval_s": time.time() - t0}
     tracker.log_metrics(metrics, step)
     tracker.log_samples(batch, step, tokenizer.decode, name="eval_traces")
@@ -94,13 +97,17 @@ async def run(cfg: DictConfig) -> dict[str, float]:
     extra = {f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path}
     tracker.start(cfg, extra_params=extra)
     engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
-    status, final = "FAILED", {}
+    status, final, agents = "FAILED", {}, ()
     try:
         judge = build(cfg, "judge")
         agent = build(cfg, "agent", engine=engine, tokenizer=tokenizer, judge=judge)
+        eval_sampling = SamplingConfig(evaluator.temperature, 1.0, cfg.rollout.max_response_tokens, cfg.seed)
+        eval_agent = instantiate(cfg.agent, engine=engine, tokenizer=tokenizer, judge=judge,
+                                 sampling=eval_sampling, _convert_="object")  # a dataclass, not a DictConfig
+        agents = (agent, eval_agent)
         scheduler = build(cfg, "scheduler")
         trainer = build(cfg, "trainer", model_path=model_path, temperature=cfg.rollout.temperature)
-        eval_args = (engine, tokenizer, cfg, eval_data, SyncScheduler, evaluator, judge, tracker)
+        eval_args = (eval_agent, tokenizer, eval_data, evaluator, tracker)
         # Everything built so far lives for the whole run: move it out of the cyclic GC's
         # reach, so full collections stay cheap (they otherwise stall rollouts for ~0.3 s).
         gc.collect()
@@ -131,6 +138,9 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         status = "FINISHED"
         return final
     finally:
+        for a in agents:
+            if hasattr(a, "aclose"):
+                await a.aclose()
         engine.shutdown()
         tracker.end(status)
 

@@ -72,8 +72,11 @@ def build_tiny_model(
     task_ops: str,
     task_eval_size: int,
     task_seed: int,
+    warm_start_format: str = "answer",
 ) -> str:
     """Return the path of the built model directory, building it on first use."""
+    if warm_start_format not in ("answer", "tool"):
+        raise ValueError(f"model.warm_start_format must be 'answer' or 'tool', got {warm_start_format!r}")
     if hidden_size // num_heads not in (32, 64, 80, 96, 112, 128):
         raise ValueError(
             f"model: hidden_size/num_heads = {hidden_size // num_heads}; vLLM's CPU attention "
@@ -106,7 +109,7 @@ def build_tiny_model(
     model = Qwen2ForCausalLM(config)
     train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
     _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
-                warm_start_target_accuracy, seed)
+                warm_start_target_accuracy, seed, warm_start_format)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -117,29 +120,60 @@ def build_tiny_model(
     return str(out)
 
 
-def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accuracy, seed) -> None:
-    """Supervised next-token training on `<chat prompt>answer<|im_end|>`, loss on the answer,
-    for at most `steps` steps, stopping early once greedy decoding solves `target_accuracy`
-    of a fixed probe of 256 *training* problems (checked every 25 steps)."""
+def tool_call_text(question: str) -> str:
+    expression = question.rstrip("=")
+    return ('<tool_call>{"name": "calculator", "arguments": {"expression": "' + expression
+            + '"}}</tool_call>')
+
+
+def _conversation(question: str, answer: str, fmt: str) -> list[dict[str, str]]:
+    """The warm-start example for one problem: answer directly, or call the calculator
+    tool, read its result, then answer."""
+    user = {"role": "user", "content": question}
+    if fmt == "answer":
+        return [user, {"role": "assistant", "content": answer}]
+    return [user, {"role": "assistant", "content": tool_call_text(question)},
+            {"role": "tool", "content": answer}, {"role": "assistant", "content": answer}]
+
+
+def _encode_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and labels on the assistant replies only (built
+    turn by turn, as rollouts are: prompt renderings extended by suffixes)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    text = ""
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=False)
+        new = tokenizer.encode(prompt[len(text):], add_special_tokens=False)
+        reply = tokenizer.encode(m["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids += new + reply
+        labels += [-100] * len(new) + reply
+        text = prompt + m["content"] + "<|im_end|>"
+    return ids, labels
+
+
+def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accuracy, seed,
+                fmt: str = "answer") -> None:
+    """Supervised next-token training on task conversations (`_conversation`), loss on the
+    assistant replies, for at most `steps` steps, stopping early once greedy decoding gets
+    the first reply exactly right for `target_accuracy` of a fixed probe of 256 *training*
+    problems (checked every 25 steps)."""
     if steps <= 0:
         return
     rng = random.Random(seed)
-    probe = problems[:256]
+    first_reply = (lambda q, a: a) if fmt == "answer" else (lambda q, a: tool_call_text(q))
+    probe = [(q, first_reply(q, a)) for q, a in problems[:256]]
+    max_new = 6 if fmt == "answer" else 96
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     warmup = max(1, min(50, steps // 5))
     for step in range(1, steps + 1):
         for group in opt.param_groups:  # linear warm-up: a constant high lr from step 1 diverges
             group["lr"] = lr * min(1.0, step / warmup)
-        rows, labels = [], []
-        for question, answer in rng.choices(problems, k=batch_size):
-            prompt = tokenizer.apply_chat_template(
-                [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-            )
-            p_ids = tokenizer.encode(prompt, add_special_tokens=False)
-            a_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-            rows.append(p_ids + a_ids)
-            labels.append([-100] * len(p_ids) + a_ids)
+        rows, labels = zip(*(_encode_conversation(tokenizer, _conversation(q, a, fmt))
+                             for q, a in rng.choices(problems, k=batch_size)))
         width = max(map(len, rows))
         pad = tokenizer.pad_token_id
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
@@ -149,7 +183,7 @@ def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accura
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0 and target_accuracy < 1.0:
-            accuracy = greedy_accuracy(model, tokenizer, probe)
+            accuracy = greedy_accuracy(model, tokenizer, probe, max_new)
             model.train()
             log.info("tiny model: warm-start step %d, probe accuracy %.3f", step, accuracy)
             if accuracy >= target_accuracy:

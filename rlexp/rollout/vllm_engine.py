@@ -69,6 +69,7 @@ class VLLMEngine:
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
+        self.max_model_len = max_model_len
         self.sleeps = enable_sleep_mode and on_gpu
         self.version = 0
         self._ids = itertools.count()

@@ -1,0 +1,49 @@
+"""MultiTurnAgent: answer, get environment feedback, try again (up to `max_turns`).
+
+It talks to the policy through the token-tracked, OpenAI-shaped client, so the training
+sample holds exactly the tokens the engine saw and produced: prompts and feedback with
+loss mask 0, the policy's replies with loss mask 1."""
+
+from __future__ import annotations
+
+from rlexp.chat.client import SessionStore
+from rlexp.judges.math_exact import extract_answer, normalize
+from rlexp.sample import Sample, SamplingConfig
+
+
+class MultiTurnAgent:
+    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None,
+                 max_turns: int = 3, feedback: str = "Incorrect, try again.",
+                 on_prefix_break: str = "split", max_context: int | None = None):
+        self.engine, self.judge = engine, judge
+        self.sampling = sampling or engine.sampling
+        self.max_turns = max_turns
+        self.feedback = feedback
+        context = max_context or getattr(engine, "max_model_len", 512)
+        self.store = SessionStore(engine, tokenizer, context, on_prefix_break)
+
+    async def run(self, sample: Sample) -> list[Sample]:
+        sid = self.store.open()
+        client = self.store.client(sid, self.sampling)
+        messages = list(sample.prompt)
+        try:
+            for _ in range(self.max_turns):
+                seed = None if self.sampling.seed is None else hash(
+                    (self.sampling.seed, sample.metadata.get("seed", sample.uid), len(messages))) & 0x7FFFFFFF
+                reply = await client.chat.completions.create(messages=messages, seed=seed)
+                choice = reply.choices[0]
+                messages.append({"role": "assistant", "content": choice.message.content})
+                correct = extract_answer(choice.message.content or "") == normalize(sample.answer)
+                if correct or choice.finish_reason == "length":
+                    break
+                messages.append({"role": "user", "content": self.feedback})
+        finally:
+            session = self.store.close(sid)
+        samples = session.to_samples(sample)
+        for s in samples:
+            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
+            s.metadata["metrics"] = {"multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
+                                     "multiturn/prefix_breaks":
+                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
+            await self.judge.score(s)
+        return samples

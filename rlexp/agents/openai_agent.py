@@ -1,0 +1,83 @@
+"""OpenAIAgent (`agent=openai agent.entrypoint=package.module:function`): runs your own
+agent code against the policy through an OpenAI-compatible client.
+
+Your function is `async def fn(client, task) -> float | dict`. `client` behaves like
+`openai.AsyncOpenAI` (in process, or the real package talking to rlexp's HTTP server with
+`transport: http`); `task` has `messages`, `answer` and `metadata`. Return a float (the
+reward) or a dict (kept as `metadata["info"]`, and the judge scores the last reply).
+Every call your code makes is recorded token by token and becomes the training Sample(s)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from rlexp.chat.client import SessionStore
+from rlexp.chat.server import ChatServer
+from rlexp.sample import Sample, SamplingConfig
+
+
+def load_entrypoint(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"agent.entrypoint must look like 'package.module:function', got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent.entrypoint {spec!r} cannot be loaded: {e}") from e
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"agent.entrypoint {spec!r} must be an async function (client, task)")
+    return fn
+
+
+class OpenAIAgent:
+    def __init__(self, engine, tokenizer, judge, entrypoint: str, sampling: SamplingConfig | None = None,
+                 transport: str = "inprocess", host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None, on_prefix_break: str = "split"):
+        if transport not in ("inprocess", "http"):
+            raise ValueError(f"agent.transport must be 'inprocess' or 'http', got {transport!r}")
+        self.fn = load_entrypoint(entrypoint)
+        self.judge = judge
+        self.sampling = sampling or engine.sampling
+        self.transport, self.host, self.port, self.api_key = transport, host, port, api_key
+        self.store = SessionStore(engine, tokenizer, getattr(engine, "max_model_len", 512), on_prefix_break)
+        self.server: ChatServer | None = None
+
+    async def _client(self, sid: str):
+        if self.transport == "inprocess":
+            return self.store.client(sid, self.sampling)
+        import openai
+
+        if self.server is None:
+            self.server = ChatServer(self.store, self.host, self.port, self.api_key)
+            await self.server.start()
+        return openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.api_key or "unused",
+                                  default_headers={"X-Session-Id": sid}, max_retries=0)
+
+    async def run(self, sample: Sample) -> list[Sample]:
+        sid = self.store.open(sampling=self.sampling)
+        task = {"messages": list(sample.prompt), "answer": sample.answer, "metadata": dict(sample.metadata)}
+        try:
+            result = await self.fn(await self._client(sid), task)
+        finally:
+            session = self.store.close(sid)
+        samples = session.to_samples(sample)
+        if not samples:
+            raise RuntimeError(f"agent.entrypoint made no policy calls for sample {sample.uid}")
+        for s in samples:
+            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
+            s.metadata["metrics"] = {"multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
+                                     "multiturn/prefix_breaks":
+                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
+            if isinstance(result, (int, float)) and not isinstance(result, bool):
+                s.reward = float(result)
+                s.reward_components = {"agent_reward": float(result)}
+            else:
+                s.metadata["info"] = result
+                await self.judge.score(s)
+        return samples
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+            self.server = None

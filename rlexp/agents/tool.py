@@ -1,0 +1,74 @@
+"""ToolAgent: the policy may call tools (JSON tool specs, Hermes-style `<tool_call>` blocks);
+each result goes back as a `tool` message (loss mask 0) until it answers without a call,
+or `max_turns` / `max_tool_calls` is reached. A malformed or failing call is answered with
+an error message as the tool result, never a crash."""
+
+from __future__ import annotations
+
+from rlexp.chat.client import SessionStore
+from rlexp.sample import Sample, SamplingConfig
+from rlexp.tools.calculator import Calculator
+from rlexp.tools.python_sandbox import PythonExpression
+
+
+class ToolAgent:
+    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None,
+                 max_turns: int = 4, max_tool_calls: int = 3,
+                 tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: float = 2.0,
+                 on_prefix_break: str = "split"):
+        available = {"calculator": Calculator(), "python": PythonExpression(timeout_s=tool_timeout_s)}
+        unknown = set(tools) - set(available)
+        if unknown:
+            raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(available)}")
+        self.tools = {name: available[name] for name in tools}
+        self.engine, self.judge = engine, judge
+        self.sampling = sampling or engine.sampling
+        self.max_turns, self.max_tool_calls = max_turns, max_tool_calls
+        self.store = SessionStore(engine, tokenizer, getattr(engine, "max_model_len", 512), on_prefix_break)
+
+    async def call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
+        """(result text, ok)."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"error: unknown tool {name!r}; available: {', '.join(self.tools)}", False
+        try:
+            result = await tool(arguments)
+        except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError, OverflowError) as e:
+            return f"error: {type(e).__name__}: {e}", False
+        return result, not result.startswith("error:")
+
+    async def run(self, sample: Sample) -> list[Sample]:
+        sid = self.store.open()
+        client = self.store.client(sid, self.sampling)
+        messages = list(sample.prompt)
+        specs = [t.spec for t in self.tools.values()]
+        calls = errors = 0
+        try:
+            for turn in range(self.max_turns):
+                seed = None if self.sampling.seed is None else hash(
+                    (self.sampling.seed, sample.metadata.get("seed", sample.uid), turn)) & 0x7FFFFFFF
+                reply = await client.chat.completions.create(messages=messages, tools=specs, seed=seed)
+                msg = reply.choices[0].message
+                messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+                if not msg.tool_calls or reply.choices[0].finish_reason == "length":
+                    break
+                for call in msg.tool_calls:
+                    if calls >= self.max_tool_calls:
+                        result, ok = f"error: tool call limit ({self.max_tool_calls}) reached", False
+                    else:
+                        result, ok = await self.call_tool(call.function.name, call.function.arguments)
+                        calls += 1
+                    errors += not ok
+                    messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
+                                     "content": result})
+        finally:
+            session = self.store.close(sid)
+        samples = session.to_samples(sample)
+        for s in samples:
+            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
+            s.metadata["metrics"] = {"tool/calls_mean": float(calls), "tool/errors": float(errors),
+                                     "multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
+                                     "multiturn/prefix_breaks":
+                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
+            await self.judge.score(s)
+        return samples

@@ -1,0 +1,204 @@
+"""An in-process, OpenAI-shaped chat client whose every call is recorded token by token.
+
+    store = SessionStore(engine, tokenizer, max_context=512)
+    sid = store.open()
+    client = store.client(sid)          # looks like openai.AsyncOpenAI()
+    r = await client.chat.completions.create(messages=[...], max_tokens=32)
+    r.choices[0].message.content, r.prompt_token_ids, r.choices[0].token_ids,
+    r.choices[0].logprobs.content[0].logprob
+    samples = store.close(sid).to_samples(template)
+
+The HTTP server (rlexp/chat/server.py) serves the same SessionStore."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from openai.types.chat import ChatCompletion
+from openai.types.completion import Completion
+
+from rlexp.chat.session import ChatSession, SessionError
+from rlexp.sample import SamplingConfig
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
+
+    A block that is not valid JSON still becomes a call (name "invalid"), so the agent can
+    answer it with an error instead of losing the turn."""
+    calls = []
+    for i, m in enumerate(_TOOL_CALL.finditer(text)):
+        try:
+            body = json.loads(m.group(1))
+            name, args = str(body["name"]), body.get("arguments", {})
+            arguments = args if isinstance(args, str) else json.dumps(args)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            name, arguments = "invalid", json.dumps({"raw": m.group(1)})
+        calls.append({"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
+                      "function": {"name": name, "arguments": arguments}})
+    content = _TOOL_CALL.sub("", text).strip() if calls else text
+    return content, calls
+
+
+def _message_key(message: dict[str, Any]) -> str:
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+    return json.dumps([message.get("content") or "", calls])
+
+
+class SessionStore:
+    """Open sessions by id; turns chat requests into engine calls and OpenAI responses."""
+
+    def __init__(self, engine, tokenizer, max_context: int, on_prefix_break: str = "split",
+                 model_name: str = "policy"):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_context = max_context
+        self.on_prefix_break = on_prefix_break
+        self.model_name = model_name
+        self.sessions: dict[str, ChatSession] = {}
+        self._raw: dict[str, dict[str, str]] = {}  # session -> message key -> generated text
+        self._sampling: dict[str, SamplingConfig] = {}
+        self._ids = itertools.count()
+
+    def open(self, session_id: str | None = None, sampling: SamplingConfig | None = None) -> str:
+        """A new session; `sampling` fills what its requests leave out (default: the engine's)."""
+        sid = session_id or f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self.sessions[sid] = ChatSession(self.tokenizer, self.max_context, self.on_prefix_break)
+        self._raw[sid] = {}
+        self._sampling[sid] = sampling or self.engine.sampling
+        return sid
+
+    def get(self, session_id: str) -> ChatSession:
+        if session_id not in self.sessions:
+            raise SessionError(f"unknown session_id {session_id!r}")
+        return self.sessions[session_id]
+
+    def close(self, session_id: str) -> ChatSession:
+        session = self.get(session_id)
+        del self.sessions[session_id], self._raw[session_id], self._sampling[session_id]
+        return session
+
+    def client(self, session_id: str, sampling: SamplingConfig | None = None) -> TrackedClient:
+        return TrackedClient(self, session_id, sampling or self.engine.sampling)
+
+    async def chat(self, session_id: str, request: dict[str, Any],
+                   default: SamplingConfig | None = None) -> dict[str, Any]:
+        """An OpenAI chat.completion dict for `request` (the JSON body's fields)."""
+        session = self.get(session_id)
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise SessionError("'messages' must be a non-empty list")
+        raw = self._raw[session_id]
+        # Our own earlier replies go back into the template exactly as they were generated
+        # (tool-call markup included), so that the rendering stays a prefix of the tokens.
+        rendered = [{"role": "assistant", "content": raw[_message_key(m)]}
+                    if m.get("role") == "assistant" and _message_key(m) in raw else m
+                    for m in messages]
+        prompt = session.prepare(rendered, request.get("tools"))
+        sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.tokens))
+        n = int(request.get("n") or 1)
+        choices = []
+        for i in range(n):
+            s = sampling if sampling.seed is None else SamplingConfig(
+                sampling.temperature, sampling.top_p, sampling.max_tokens, sampling.seed + i)
+            gen = await self.engine.generate(prompt.tokens, s)
+            gen = _apply_stop(gen, request.get("stop"), self.tokenizer)
+            session.record(prompt, gen)
+            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            content, calls = parse_tool_calls(text) if request.get("tools") else (text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            raw[_message_key(message)] = text
+            finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
+            choices.append({
+                "index": i, "message": message, "finish_reason": finish, "token_ids": gen.token_ids,
+                "logprobs": {"content": [
+                    {"token": self.tokenizer.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
+                     "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]},
+            })
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
+            "created": int(time.time()), "model": self.model_name, "choices": choices,
+            "prompt_token_ids": prompt.tokens, "session_id": session_id,
+            "usage": {"prompt_tokens": len(prompt.tokens), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt.tokens) + completion_tokens},
+        }
+
+    async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+        """/v1/completions: a text prompt (or token ids) in, text out; not session-tracked."""
+        prompt = request.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = prompt
+        else:
+            raise SessionError("'prompt' must be a non-empty string or list of token ids")
+        if len(ids) >= self.max_context:
+            raise SessionError(f"prompt has {len(ids)} tokens; the context is {self.max_context}")
+        sampling = self._request_sampling(request, self.engine.sampling, len(ids))
+        gen = _apply_stop(await self.engine.generate(ids, sampling), request.get("stop"), self.tokenizer)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+            "created": int(time.time()), "model": self.model_name, "prompt_token_ids": ids,
+            "choices": [{"index": 0, "text": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+                         "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+                         "token_ids": gen.token_ids, "logprobs": None}],
+        }
+
+    def _request_sampling(self, request: dict[str, Any], default: SamplingConfig,
+                          prompt_len: int) -> SamplingConfig:
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or default.max_tokens
+        max_tokens = min(int(max_tokens), self.max_context - prompt_len)
+        temperature = request.get("temperature")
+        top_p = request.get("top_p")
+        return SamplingConfig(
+            temperature=default.temperature if temperature is None else float(temperature),
+            top_p=default.top_p if top_p is None else float(top_p),
+            max_tokens=max_tokens, seed=request.get("seed", default.seed))
+
+
+def _apply_stop(gen, stop, tokenizer):
+    """Cut a generation at the first stop string (token-aligned: whole tokens are kept)."""
+    if not stop:
+        return gen
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    text = ""
+    for i, tid in enumerate(gen.token_ids):
+        text += tokenizer.decode([tid], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            gen.token_ids, gen.logprobs = gen.token_ids[:i + 1], gen.logprobs[:i + 1]
+            gen.finish_reason = "stop"
+            break
+    return gen
+
+
+class TrackedClient:
+    """`client.chat.completions.create(...)`, as on `openai.AsyncOpenAI`, in process."""
+
+    def __init__(self, store: SessionStore, session_id: str, sampling: SamplingConfig):
+        self.store, self.session_id, self.sampling = store, session_id, sampling
+        self.chat = _Namespace(completions=_Namespace(create=self._create_chat))
+        self.completions = _Namespace(create=self._create_completion)
+
+    async def _create_chat(self, *, messages, model: str | None = None, extra_body=None,
+                           **kw) -> ChatCompletion:
+        request = {"messages": messages, **kw, **(extra_body or {})}
+        body = await self.store.chat(self.session_id, request, self.sampling)
+        return ChatCompletion.model_validate(body)
+
+    async def _create_completion(self, *, prompt, model: str | None = None, **kw) -> Completion:
+        return Completion.model_validate(await self.store.complete({"prompt": prompt, **kw}))
+
+
+class _Namespace:
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
