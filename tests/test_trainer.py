@@ -115,3 +115,12 @@ def test_lr_schedules():
     assert lr_factor("constant", 0, 100)(99) == 1.0
     with pytest.raises(ValueError, match="lr_schedule"):
         lr_factor("linear", 0, 10)
+
+
+def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, tokenizer):
+    batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
+    batch.append(Sample(group_id=0, prompt=[], answer="", status=Status.FAILED))  # no tokens at all
+    trainer = _trainer(tiny_model_path, track_ref_kl=True)
+    lps = trainer.compute_ref_logprobs(batch)
+    assert len(lps) == 3 and lps[2].numel() == 0 and lps[0].numel() == len(batch[0].tokens)
+    assert trainer.fit(batch)["train/response_tokens"] == batch[0].response_length + batch[1].response_length

@@ -120,9 +120,9 @@ class SessionStore:
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
             choices.append({
                 "index": i, "message": message, "finish_reason": finish, "token_ids": gen.token_ids,
-                "logprobs": {"content": [
-                    {"token": self.tokenizer.convert_ids_to_tokens(t), "logprob": lp, "bytes": None,
-                     "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]},
+                "logprobs": {"content": [  # ids past the tokenizer's vocabulary have no string
+                    {"token": self.tokenizer.convert_ids_to_tokens(t) or f"<id:{t}>", "logprob": lp,
+                     "bytes": None, "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]},
             })
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {

@@ -147,13 +147,16 @@ class GRPOTrainer:
         return logp, ent
 
     def _logprobs(self, model, samples: list[Sample]) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
-        for row in self._rows(samples):
-            logp, _ = self._row_forward(model, row, samples)
+        """Per-sample token logprobs; samples with fewer than 2 tokens (e.g. failed) get zeros."""
+        out = [torch.zeros(len(s.tokens)) for s in samples]
+        scored = [i for i, s in enumerate(samples) if len(s.tokens) >= 2]
+        subset = [samples[i] for i in scored]
+        for row in self._rows(subset):
+            logp, _ = self._row_forward(model, row, subset)
             start = 0
-            for i in row.members:
-                n = len(samples[i].tokens) - 1
-                out[i] = torch.cat([torch.zeros(1), logp[start:start + n].cpu()])
+            for j in row.members:
+                n = len(subset[j].tokens) - 1
+                out[scored[j]] = torch.cat([torch.zeros(1), logp[start:start + n].cpu()])
                 start += n
         return out
 
