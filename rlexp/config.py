@@ -68,9 +68,25 @@ def validate(cfg: DictConfig) -> dict[str, int]:
     _int(cfg, "trainer.micro_batch_tokens", 1)
     _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
     _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
+    _check_agent(cfg)
     _choice(cfg, "trainer.lr_schedule", ("constant", "cosine"))
     _choice(cfg, "trainer.old_logprobs", ("rollout", "recompute"))
     return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
+
+
+def _check_agent(cfg: DictConfig) -> None:
+    for key, minimum in (("agent.max_turns", 1), ("agent.max_tool_calls", 0)):
+        if OmegaConf.select(cfg, key) is not None:
+            _int(cfg, key, minimum)
+    _choice(cfg, "agent.on_prefix_break", ("split", "restart"))
+    _choice(cfg, "agent.transport", ("inprocess", "http"))
+    if OmegaConf.select(cfg, "agent.entrypoint") is not None:
+        from rlexp.agents.openai_agent import load_entrypoint
+
+        try:
+            load_entrypoint(_get(cfg, "agent.entrypoint"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:

@@ -26,6 +26,7 @@ class SamplingConfig:
     top_p: float = 1.0
     max_tokens: int = 16
     seed: int | None = None
+    regex: str | None = None  # constrain the output to this pattern (e.g. tool_choice="required")
 
 
 @dataclass

@@ -59,10 +59,13 @@ def test_cheap_groups_instantiate(group):
     ("rollout.temperature=0", "rollout.temperature must be > 0"),
     ("trainer.optimizer.lr=-1", "trainer.optimizer.lr must be > 0"),
     ("trainer.lr_schedule=linear", "trainer.lr_schedule must be one of constant, cosine"),
+    ("agent=multiturn agent.max_turns=0", "agent.max_turns must be >= 1"),
+    ("agent=tool agent.on_prefix_break=ignore", "agent.on_prefix_break must be one of split, restart"),
+    ("agent=openai agent.entrypoint=nope.mod:fn", "agent.entrypoint 'nope.mod:fn' cannot be loaded"),
 ])
 def test_validate_names_the_bad_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        validate(_compose([override]))
+        validate(_compose(override.split()))
 
 
 def _run(*overrides, timeout=120):

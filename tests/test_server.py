@@ -16,15 +16,17 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}<
 
 
 async def three_turns_with_a_tool_call(store: SessionStore, base_url: str, api_key: str = "unused"):
-    """user -> assistant (tool call) -> tool -> assistant -> user -> assistant."""
+    """user -> assistant (tool call: forced with tool_choice="required") -> tool -> assistant
+    -> user -> assistant."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     sid = (await client.post("/sessions", cast_to=httpx.Response)).json()["session_id"]
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "12+34="}]
     replies = []
     for turn in range(3):
-        r = await client.chat.completions.create(model="policy", messages=messages, tools=tools,
-                                                 max_tokens=120, extra_body={"session_id": sid})
+        r = await client.chat.completions.create(
+            model="policy", messages=messages, tools=tools, max_tokens=120, seed=turn,
+            tool_choice="required" if turn == 0 else "auto", extra_body={"session_id": sid})
         replies.append(r)
         msg = r.choices[0].message
         messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
@@ -134,3 +136,49 @@ def test_non_loopback_needs_an_api_key_and_checks_it(tokenizer):
 
     denied, allowed = asyncio.run(go())
     assert denied.status_code == 401 and allowed.status_code == 200
+
+
+class RecordingEngine:
+    """Wraps a real engine; records exactly the tokens it was given and generated."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.sampling, self.max_model_len = engine.sampling, engine.max_model_len
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, token_ids, sampling):
+        gen = await self.engine.generate(token_ids, sampling)
+        self.calls.append((list(token_ids), list(gen.token_ids)))
+        return gen
+
+
+@pytest.mark.vllm
+def test_openai_package_over_http_with_real_vllm(tiny_model_path, tokenizer):
+    from rlexp.rollout.vllm_engine import VLLMEngine
+
+    async def go():
+        engine = VLLMEngine(tiny_model_path, seed=0, max_model_len=512, kv_cache_gb=0.25, max_num_seqs=8)
+        recorder = RecordingEngine(engine)
+        store = SessionStore(recorder, tokenizer, max_context=512)
+        server = ChatServer(store)
+        await server.start()
+        try:
+            session, replies = await three_turns_with_a_tool_call(store, server.base_url)
+        finally:
+            await server.stop()
+            engine.shutdown()
+        return recorder, session, replies
+
+    recorder, session, replies = asyncio.run(go())
+    assert len(recorder.calls) == 3
+    first = replies[0].choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.tool_calls[0].function.name == "calculator"
+    sample = _check_stitching(session, recorder.calls, tokenizer)
+    # the logprobs in the sample are the ones vLLM returned, token for token
+    for r, (prompt, gen) in zip(replies, recorder.calls):
+        got = [sample.logprobs[len(prompt) + i] for i in range(len(gen))]
+        assert got == [c.logprob for c in r.choices[0].logprobs.content]
+        assert all(lp <= 0.0 for lp in got)

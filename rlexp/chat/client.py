@@ -12,6 +12,7 @@ The HTTP server (rlexp/chat/server.py) serves the same SessionStore."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -45,6 +46,29 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
                       "function": {"name": name, "arguments": arguments}})
     content = _TOOL_CALL.sub("", text).strip() if calls else text
     return content, calls
+
+
+def tool_call_regex(names: list[str]) -> str:
+    """Output pattern that forces one Hermes-style call of one of `names` (`tool_choice`)."""
+    alternatives = "|".join(re.escape(json.dumps(n)) for n in names)
+    return (r'<tool_call>\{"name": (' + alternatives + r'), "arguments": '
+            r'\{("[a-z_]{1,20}": "[^"\\<>]{0,80}"(, "[a-z_]{1,20}": "[^"\\<>]{0,80}"){0,3})?\}\}</tool_call>')
+
+
+def _forced_tools(request: dict[str, Any]) -> list[str] | None:
+    """Tool names the reply must call, from OpenAI's `tool_choice`; None = free choice."""
+    choice, tools = request.get("tool_choice"), request.get("tools") or []
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    if choice == "required":
+        if not names:
+            raise SessionError("tool_choice='required' needs 'tools'")
+        return names
+    if isinstance(choice, dict):
+        name = choice.get("function", {}).get("name")
+        if name not in names:
+            raise SessionError(f"tool_choice names {name!r}, which is not in 'tools'")
+        return [name]
+    return None
 
 
 def _message_key(message: dict[str, Any]) -> str:
@@ -103,11 +127,13 @@ class SessionStore:
                     for m in messages]
         prompt = session.prepare(rendered, request.get("tools"))
         sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.tokens))
+        forced = _forced_tools(request)
+        if forced:
+            sampling = dataclasses.replace(sampling, regex=tool_call_regex(forced))
         n = int(request.get("n") or 1)
         choices = []
         for i in range(n):
-            s = sampling if sampling.seed is None else SamplingConfig(
-                sampling.temperature, sampling.top_p, sampling.max_tokens, sampling.seed + i)
+            s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
             gen = await self.engine.generate(prompt.tokens, s)
             gen = _apply_stop(gen, request.get("stop"), self.tokenizer)
             session.record(prompt, gen)

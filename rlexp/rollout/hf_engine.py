@@ -41,6 +41,8 @@ class HFEngine:
         self._lock = asyncio.Lock()
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        if sampling.regex:
+            raise ValueError("the HF engine has no constrained decoding (tool_choice='required'); use vLLM")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((list(token_ids), sampling, fut))
         if self._worker is None or self._worker.done():

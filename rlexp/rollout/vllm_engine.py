@@ -78,7 +78,9 @@ class VLLMEngine:
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
+        constraint = StructuredOutputsParams(regex=sampling.regex) if sampling.regex else None
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -86,6 +88,7 @@ class VLLMEngine:
             seed=sampling.seed,
             logprobs=0,  # the sampled token's logprob only
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
+            structured_outputs=constraint,
         )
         version = self.version
         final = None
