@@ -123,3 +123,15 @@ def test_parse_tool_calls():
     _, bad = parse_tool_calls("<tool_call>{not json</tool_call>")
     assert bad[0]["function"]["name"] == "invalid"
     assert parse_tool_calls("plain 5") == ("plain 5", [])
+
+
+def test_special_tokens_inside_a_reply_do_not_break_the_prefix(tokenizer):
+    # The policy may emit a special token mid-reply; the message content cannot show it,
+    # but the session writes the reply back exactly as generated.
+    engine = ScriptedEngine(tokenizer, ["4<|im_start|>5", "46"])
+    store = SessionStore(engine, tokenizer, max_context=256)
+    session, replies = _converse(store, ["again", None])
+    assert replies[0].choices[0].message.content == "45"
+    assert session.prefix_breaks == 0
+    (p1, g1), (p2, _) = engine.calls
+    assert p2[: len(p1) + len(g1)] == p1 + g1

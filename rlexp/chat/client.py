@@ -142,7 +142,12 @@ class SessionStore:
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
-            raw[_message_key(message)] = text
+            # What the template must write back for this reply to reproduce the generated
+            # tokens: every token, special ones included, except the closing stop token.
+            ids = gen.token_ids
+            if gen.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.all_special_ids:
+                ids = ids[:-1]
+            raw[_message_key(message)] = self.tokenizer.decode(ids, skip_special_tokens=False)
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
             choices.append({
                 "index": i, "message": message, "finish_reason": finish, "token_ids": gen.token_ids,
