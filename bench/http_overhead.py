@@ -32,6 +32,7 @@ from rlexp.schedulers.sync import SyncScheduler
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TURNS = 3
+MAX_TOKENS = 8  # per reply; set by --max-tokens
 
 
 async def three_turns(client, task) -> float:
@@ -39,7 +40,7 @@ async def three_turns(client, task) -> float:
     messages = list(task["messages"])
     seed = task["metadata"]["seed"]
     for turn in range(TURNS):
-        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8,
+        r = await client.chat.completions.create(model="policy", messages=messages, max_tokens=MAX_TOKENS,
                                                  seed=seed + turn)
         messages += [{"role": "assistant", "content": r.choices[0].message.content or ""}]
         if turn < TURNS - 1:
@@ -57,10 +58,10 @@ async def one_rep(agent, args, rep: int) -> tuple[int, float]:
 
 async def main(args) -> None:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config")
+        cfg = compose("config", overrides=[f"model.warm_start_steps={args.warm_start_steps}"])
     model = instantiate(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    engine = VLLMEngine(model, seed=0, max_model_len=256)
+    engine = VLLMEngine(model, seed=0, max_model_len=512)
     agents = {t: OpenAIAgent(engine, tokenizer, MathExactJudge(), entrypoint="__main__:three_turns",
                              transport=t) for t in ("inprocess", "http")}
     rows = []
@@ -91,4 +92,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--warm-start-steps", type=int, default=1500,
+                   help="0 gives an untrained model whose replies run to --max-tokens")
+    args = p.parse_args()
+    MAX_TOKENS = args.max_tokens
+    asyncio.run(main(args))

@@ -42,6 +42,7 @@ class OpenAIAgent:
         self.transport, self.host, self.port, self.api_key = transport, host, port, api_key
         self.store = SessionStore(engine, tokenizer, getattr(engine, "max_model_len", 512), on_prefix_break)
         self.server: ChatServer | None = None
+        self._http = None  # one openai.AsyncOpenAI for all sessions (transport=http)
 
     async def _client(self, sid: str):
         if self.transport == "inprocess":
@@ -51,8 +52,10 @@ class OpenAIAgent:
         if self.server is None:
             self.server = ChatServer(self.store, self.host, self.port, self.api_key)
             await self.server.start()
-        return openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.api_key or "unused",
-                                  default_headers={"X-Session-Id": sid}, max_retries=0)
+            self._http = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.api_key or "unused",
+                                            max_retries=0)
+        # with_options shares the connection pool: no new connection per session
+        return self._http.with_options(default_headers={"X-Session-Id": sid})
 
     async def run(self, sample: Sample) -> list[Sample]:
         sid = self.store.open(sampling=self.sampling)
@@ -78,6 +81,9 @@ class OpenAIAgent:
         return samples
 
     async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         if self.server is not None:
             await self.server.stop()
             self.server = None

@@ -91,11 +91,12 @@ def create_app(store, api_key: str | None = None) -> FastAPI:
         body = await body_of(request)
         if body.get("stream"):
             raise SessionError("stream=true is not supported")
-        return await store.chat(session_of(request, body), body)
+        # A ready JSONResponse skips FastAPI's per-field encoder (slow on token-level logprobs).
+        return JSONResponse(await store.chat(session_of(request, body), body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await store.complete(await body_of(request))
+        return JSONResponse(await store.complete(await body_of(request)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -12,6 +12,7 @@ training sample (`on_prefix_break="split"`) or replacing the broken branch
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,12 @@ class Branch:
     messages: list[dict[str, Any]] = field(default_factory=list)  # as last sent by the caller
     open: bool = True  # False once extended by a later turn (then it is not a leaf)
     segment: int = 0
+
+    def copy(self) -> Branch:
+        """Copies of the token lists (cheap); turns and messages are never mutated in place."""
+        return dataclasses.replace(self, tokens=list(self.tokens), loss_mask=list(self.loss_mask),
+                                   logprobs=list(self.logprobs), versions=list(self.versions),
+                                   turns=list(self.turns), messages=list(self.messages))
 
     def append(self, ids: list[int], *, policy: bool, logprobs: list[float] | None = None,
                version: int = -1, role: str = "", text: str = "") -> None:
@@ -87,13 +94,13 @@ class ChatSession:
             branch.append(self.encode(rendered), policy=False, role="prompt", text=rendered)
         else:
             parent.open = False
-            branch = copy.deepcopy(parent)
+            branch = parent.copy()
             branch.open = True
             suffix = rendered[len(parent.text):]
             branch.append(self.encode(suffix), policy=False, role=messages[-1].get("role", ""),
                           text=suffix)
         branch.text = rendered
-        branch.messages = copy.deepcopy(messages)
+        branch.messages = list(messages)
         if len(branch.tokens) >= self.max_context:
             raise SessionError(f"prompt has {len(branch.tokens)} tokens; the context is "
                                f"{self.max_context}")
@@ -111,7 +118,7 @@ class ChatSession:
     # ---- recording completions ---------------------------------------------------------
     def record(self, prompt: Branch, gen: Generation) -> Branch:
         """Add one completion of `prompt` as a new open branch (n > 1: call once per choice)."""
-        branch = copy.deepcopy(prompt)
+        branch = prompt.copy()
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         branch.append(gen.token_ids, policy=True, logprobs=gen.logprobs, version=gen.version,
                       role="assistant", text=text)
