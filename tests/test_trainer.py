@@ -124,3 +124,16 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
     lps = trainer.compute_ref_logprobs(batch)
     assert len(lps) == 3 and lps[2].numel() == 0 and lps[0].numel() == len(batch[0].tokens)
     assert trainer.fit(batch)["train/response_tokens"] == batch[0].response_length + batch[1].response_length
+
+
+def test_no_signal_means_no_update(tiny_model_path, tokenizer):
+    batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("2", 1.0)]), ("2+2=", [("5", 0.0), ("3", 0.0)])])
+    trainer = GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=2, track_ref_kl=False,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    batch[0].reward = 0.0  # first step has signal: Adam builds momentum
+    trainer.fit(batch)
+    batch[0].reward = 1.0
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.fit(batch)  # equal rewards within every group: nothing to learn
+    assert metrics["train/skipped_step"] == 1.0
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())

@@ -118,7 +118,12 @@ class GRPOTrainer:
             old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
         ref = self.compute_ref_logprobs(batch)
         adv = self.compute_advantages(batch)
-        metrics = self.train(batch, old, adv, ref)
+        if not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0:
+            # Every group's rewards are equal: the loss has no gradient. An optimizer step
+            # anyway would still move the weights on Adam's momentum from earlier steps.
+            metrics = {"train/skipped_step": 1.0}
+        else:
+            metrics = self.train(batch, old, adv, ref) | {"train/skipped_step": 0.0}
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()  # one schedule step per fit (per RL step)
