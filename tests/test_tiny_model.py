@@ -69,3 +69,16 @@ def test_saved_tokenizer_loads_back_identically(tiny_model_path):
     assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
     assert loaded.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False) == \
         fresh.apply_chat_template([{"role": "user", "content": "a b"}], tokenize=False)
+
+
+def test_tool_warm_start_examples_label_only_the_assistant_replies():
+    from rlexp.models.tiny import _conversation, _encode_conversation, tool_call_text
+
+    tok = build_char_tokenizer()
+    conversation = _conversation("12+34=", "46", "tool")
+    ids, labels = _encode_conversation(tok, conversation)
+    assert tok.decode(ids) == tok.apply_chat_template(conversation, tokenize=False).rstrip("\n")
+    trained = tok.decode([t for t, lab in zip(ids, labels) if lab != -100])
+    assert trained == tool_call_text("12+34=") + "<|im_end|>" + "46<|im_end|>"
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
+    assert tool_call_text("12+34=") == call
