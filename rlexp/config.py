@@ -11,7 +11,7 @@ OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), r
 
 
 class ConfigError(ValueError):
-    pass
+    """A bad config value, reported as one line before anything expensive starts."""
 
 
 def _get(cfg: DictConfig, key: str):

@@ -6,6 +6,7 @@ loss mask 0, the policy's replies with loss mask 1."""
 
 from __future__ import annotations
 
+from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.judges.math_exact import extract_answer, normalize
 from rlexp.sample import Sample, SamplingConfig
@@ -27,9 +28,8 @@ class MultiTurnAgent:
         client = self.store.client(sid, self.sampling)
         messages = list(sample.prompt)
         try:
-            for _ in range(self.max_turns):
-                seed = None if self.sampling.seed is None else hash(
-                    (self.sampling.seed, sample.metadata.get("seed", sample.uid), len(messages))) & 0x7FFFFFFF
+            for turn in range(self.max_turns):
+                seed = request_seed(self.sampling.seed, sample, turn)
                 reply = await client.chat.completions.create(messages=messages, seed=seed)
                 choice = reply.choices[0]
                 messages.append({"role": "assistant", "content": choice.message.content})
@@ -41,9 +41,5 @@ class MultiTurnAgent:
             session = self.store.close(sid)
         samples = session.to_samples(sample)
         for s in samples:
-            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
-            s.metadata["metrics"] = {"multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
-                                     "multiturn/prefix_breaks":
-                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
             await self.judge.score(s)
         return samples

@@ -68,10 +68,6 @@ class OpenAIAgent:
         if not samples:
             raise RuntimeError(f"agent.entrypoint made no policy calls for sample {sample.uid}")
         for s in samples:
-            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
-            s.metadata["metrics"] = {"multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
-                                     "multiturn/prefix_breaks":
-                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
             if isinstance(result, (int, float)) and not isinstance(result, bool):
                 s.reward = float(result)
                 s.reward_components = {"agent_reward": float(result)}

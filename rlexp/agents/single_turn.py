@@ -14,12 +14,14 @@ def render_prompt(tokenizer, messages) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def request_seed(base: int | None, sample: Sample) -> int | None:
-    """The engine seed for one sample: from the sampling seed and the sample's own seed
-    (set by the DataManager), so rollouts reproduce whatever order requests finish in."""
+def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:
+    """The engine seed for one sample's `turn`-th call: from the sampling seed and the
+    sample's own seed (set by the DataManager), so rollouts reproduce whatever order
+    requests finish in."""
     if base is None:
         return None
-    return hash((base, sample.metadata.get("seed", sample.uid))) & 0x7FFFFFFF
+    key = (base, sample.metadata.get("seed", sample.uid)) + ((turn,) if turn else ())
+    return hash(key) & 0x7FFFFFFF
 
 
 class PromptCache:

@@ -5,6 +5,7 @@ an error message as the tool result, never a crash."""
 
 from __future__ import annotations
 
+from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.tools.calculator import Calculator
@@ -45,8 +46,7 @@ class ToolAgent:
         calls = errors = 0
         try:
             for turn in range(self.max_turns):
-                seed = None if self.sampling.seed is None else hash(
-                    (self.sampling.seed, sample.metadata.get("seed", sample.uid), turn)) & 0x7FFFFFFF
+                seed = request_seed(self.sampling.seed, sample, turn)
                 reply = await client.chat.completions.create(messages=messages, tools=specs, seed=seed)
                 msg = reply.choices[0].message
                 messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
@@ -65,10 +65,6 @@ class ToolAgent:
             session = self.store.close(sid)
         samples = session.to_samples(sample)
         for s in samples:
-            s.response_text = next((t["text"] for t in reversed(s.turns) if t["mask"]), "")
-            s.metadata["metrics"] = {"tool/calls_mean": float(calls), "tool/errors": float(errors),
-                                     "multiturn/turns_mean": float(sum(t["mask"] for t in s.turns)),
-                                     "multiturn/prefix_breaks":
-                                         float(session.prefix_breaks if s.metadata["branch"] == 0 else 0)}
+            s.metadata["metrics"] |= {"tool/calls_mean": float(calls), "tool/errors": float(errors)}
             await self.judge.score(s)
         return samples

@@ -52,7 +52,7 @@ class Branch:
 
 
 class SessionError(ValueError):
-    pass
+    """A request the session cannot serve (bad messages, unknown session, too long)."""
 
 
 class ChatSession:
@@ -148,6 +148,11 @@ class ChatSession:
             s.turns, s.finish_reason = leaf.turns, leaf.finish_reason
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages
+            s.response_text = next((t["text"] for t in reversed(leaf.turns) if t["mask"]), "")
+            s.metadata["metrics"] = {
+                "multiturn/turns_mean": float(sum(t["mask"] for t in leaf.turns)),
+                # counted once per session, on its first sample
+                "multiturn/prefix_breaks": float(self.prefix_breaks if i == 0 else 0)}
             s.status = Status.COMPLETED
             out.append(s)
         return out

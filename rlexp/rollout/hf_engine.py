@@ -106,10 +106,10 @@ class HFEngine:
             self.version += 1
 
     async def sleep(self) -> None:
-        pass
+        """Nothing to release: the model lives in this process (no separate KV cache)."""
 
     async def wake_up(self) -> None:
-        pass
+        """Nothing to restore (see `sleep`)."""
 
     def shutdown(self) -> None:
-        pass
+        """No engine process or temporary files to clean up."""
