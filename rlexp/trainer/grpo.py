@@ -97,7 +97,7 @@ class GRPOTrainer:
         return group_advantages(rewards, [s.group_id for s in batch], self.norm_adv_by_std)
 
     def train(self, batch: list[Sample], old: list[torch.Tensor], adv: torch.Tensor,
-              ref: list[torch.Tensor] | None = None) -> dict[str, float]:
+              ref: list[torch.Tensor] | None = None, update: bool = True) -> dict[str, float]:
         """Optimizer steps over `minibatches_per_step` slices of the batch."""
         idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
         stats: dict[str, list[float]] = {}
@@ -108,7 +108,7 @@ class GRPOTrainer:
                 continue
             self._train_minibatch([batch[i] for i in part], [old[i] for i in part],
                                   adv[part], None if ref is None else [ref[i] for i in part],
-                                  stats, first=m == 0)
+                                  stats, first=m == 0, update=update)
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
     def fit(self, batch: list[Sample]) -> dict[str, float]:
@@ -118,12 +118,12 @@ class GRPOTrainer:
             old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
         ref = self.compute_ref_logprobs(batch)
         adv = self.compute_advantages(batch)
-        if not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0:
-            # Every group's rewards are equal: the loss has no gradient. An optimizer step
-            # anyway would still move the weights on Adam's momentum from earlier steps.
-            metrics = {"train/skipped_step": 1.0}
-        else:
-            metrics = self.train(batch, old, adv, ref) | {"train/skipped_step": 0.0}
+        # Every group's rewards equal and no KL/entropy term: the gradient is zero. An optimizer
+        # step would still move the weights on Adam's momentum from earlier steps, so skip it
+        # (the forward still runs: loss, entropy and KL are logged as on any step).
+        no_signal = not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0
+        metrics = self.train(batch, old, adv, ref, update=not no_signal)
+        metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()  # one schedule step per fit (per RL step)
@@ -165,7 +165,7 @@ class GRPOTrainer:
                 start += n
         return out
 
-    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool) -> None:
+    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool, update: bool = True) -> None:
         n_tokens = sum(s.response_length for s in samples)
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
@@ -204,7 +204,8 @@ class GRPOTrainer:
             if first:
                 acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         acc["grad_norm"] = grad_norm.item()
         acc["response_tokens"] = float(n_tokens)
