@@ -69,6 +69,22 @@ async def evaluate(step, agent, tokenizer, eval_data, evaluator, tracker) -> dic
     return metrics
 
 
+async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
+    """produce -> fit -> sync. Returns the step's metrics, and the batch under "batch"."""
+    t0 = time.time()
+    batch = await scheduler.produce_batch(data, agent)
+    t1 = time.time()
+    await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
+    train_metrics = await asyncio.to_thread(trainer.fit, batch)
+    await engine.wake_up()
+    t2 = time.time()
+    await trainer.sync_weights(engine)
+    t3 = time.time()
+    return rollout_metrics(batch, t1 - t0) | train_metrics | {
+        "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
+        "timing/step_s": t3 - t0, "rollout/policy_version": float(engine.version), "batch": batch}
+
+
 async def run(cfg: DictConfig) -> dict[str, float]:
     derived = validate(cfg)
     random.seed(cfg.seed)
@@ -96,9 +112,9 @@ async def run(cfg: DictConfig) -> dict[str, float]:
     tracker = build(cfg, "logger")
     extra = {f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path}
     tracker.start(cfg, extra_params=extra)
-    engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
-    status, final, agents = "FAILED", {}, ()
+    status, final, agents, engine = "FAILED", {}, (), None
     try:
+        engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
         judge = build(cfg, "judge")
         agent = build(cfg, "agent", engine=engine, tokenizer=tokenizer, judge=judge)
         eval_sampling = SamplingConfig(evaluator.temperature, 1.0, cfg.rollout.max_response_tokens, cfg.seed)
@@ -116,24 +132,15 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         for step in range(total):
             if step % evaluator.every_n_steps == 0:
                 final = await evaluate(step, *eval_args)
-            t0 = time.time()
-            batch = await scheduler.produce_batch(data, agent)
-            t1 = time.time()
-            await engine.sleep()
-            train_metrics = await asyncio.to_thread(trainer.fit, batch)
-            await engine.wake_up()
-            t2 = time.time()
-            await trainer.sync_weights(engine)
-            t3 = time.time()
-            metrics = rollout_metrics(batch, t1 - t0) | train_metrics | {
-                "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
-                "timing/step_s": t3 - t0, "rollout/policy_version": float(engine.version)}
+            metrics = await rl_step(scheduler, data, agent, engine, trainer)
+            batch = metrics.pop("batch")
             tracker.log_metrics(metrics, step + 1)
             tracker.log_samples(batch, step + 1, tokenizer.decode)
             log.info("step %4d/%d  reward %.3f  loss %+.4f  entropy %.3f  %.2fs "
-                     "(produce %.2f fit %.2f sync %.2f)",
-                     step + 1, total, metrics["rollout/reward_mean"], metrics.get("train/loss", 0.0),
-                     metrics.get("train/entropy", 0.0), t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+                     "(produce %.2f fit %.2f sync %.2f)", step + 1, total, metrics["rollout/reward_mean"],
+                     metrics.get("train/loss", 0.0), metrics.get("train/entropy", 0.0),
+                     metrics["timing/step_s"], metrics["timing/produce_s"], metrics["timing/fit_s"],
+                     metrics["timing/sync_s"])
         final = await evaluate(total, *eval_args)
         status = "FINISHED"
         return final
@@ -141,8 +148,9 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         for a in agents:
             if hasattr(a, "aclose"):
                 await a.aclose()
-        engine.shutdown()
-        tracker.end(status)
+        if engine is not None:
+            engine.shutdown()
+        tracker.end(status)  # a run that raised is marked FAILED in MLflow, its metrics kept
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
