@@ -54,7 +54,8 @@ class HFEngine:
         while self._pending:
             key = astuple(self._pending[0][1])[:3]
             batch = [p for p in self._pending if astuple(p[1])[:3] == key][: self.max_batch_size]
-            self._pending = [p for p in self._pending if all(p is not b for b in batch)]
+            taken = {id(b) for b in batch}
+            self._pending = [p for p in self._pending if id(p) not in taken]
             async with self._lock:
                 try:
                     gens = await asyncio.to_thread(self._generate_batch, batch)
