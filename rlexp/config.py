@@ -69,8 +69,12 @@ def validate(cfg: DictConfig) -> dict[str, int]:
     _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
     _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
     _check_agent(cfg)
+    _check_scheduler(cfg, prompts)
     _choice(cfg, "trainer.lr_schedule", ("constant", "cosine"))
     _choice(cfg, "trainer.old_logprobs", ("rollout", "recompute"))
+    _choice(cfg, "trainer.off_policy_correction", ("none", "decoupled", "tis"))
+    if OmegaConf.select(cfg, "trainer.is_cap") is not None:
+        _float(cfg, "trainer.is_cap", 1.0)
     return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
 
 
@@ -87,6 +91,29 @@ def _check_agent(cfg: DictConfig) -> None:
             load_entrypoint(_get(cfg, "agent.entrypoint"))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+
+def _check_scheduler(cfg: DictConfig, prompts_per_step: int) -> None:
+    if OmegaConf.select(cfg, "scheduler.max_filter_rounds") is not None:
+        _int(cfg, "scheduler.max_filter_rounds", 1)
+    if OmegaConf.select(cfg, "scheduler.staleness_threshold") is None:
+        return
+    eta = _int(cfg, "scheduler.staleness_threshold", 0)
+    _int(cfg, "scheduler.over_sample_groups", 0)
+    step = _int(cfg, "scheduler.tail_batch_candidate_step", 0)
+    size = _int(cfg, "scheduler.tail_batch_trigger_size", 0)
+    if (step == 0) != (size == 0):
+        raise ConfigError("scheduler.tail_batch_candidate_step and scheduler.tail_batch_trigger_size "
+                          f"go on together (both > 0) or off (both 0); got {step} and {size}")
+    if step > eta:
+        raise ConfigError(f"scheduler.tail_batch_candidate_step={step} must be <= "
+                          f"scheduler.staleness_threshold={eta}: a group in flight that long has expired")
+    if size > prompts_per_step:
+        raise ConfigError(f"scheduler.tail_batch_trigger_size={size} must be <= "
+                          f"data.prompts_per_step={prompts_per_step} (a tail batch fits in one batch)")
+    if OmegaConf.select(cfg, "rollout.enable_sleep_mode"):
+        raise ConfigError("rollout.enable_sleep_mode=true frees the engine during training, which the "
+                          "async scheduler uses to keep generating; use scheduler=sync with it")
 
 
 def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:

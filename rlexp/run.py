@@ -34,8 +34,14 @@ def build(cfg: DictConfig, group: str, **runtime):
     return instantiate(cfg[group], **runtime)
 
 
-def rollout_metrics(batch, produce_s: float) -> dict[str, float]:
+def was_resumed(s) -> bool:
+    """A policy turn whose tokens came from more than one policy version (partial rollout)."""
+    return any(t["mask"] and len(set(s.versions[slice(*t["span"])])) > 1 for t in s.turns)
+
+
+def rollout_metrics(batch, produce_s: float, version: int) -> dict[str, float]:
     done = [s for s in batch if s.status == Status.COMPLETED]
+    staleness = Counter(s.staleness(version) for s in done)
     tokens = sum(s.response_length for s in batch)
     counts = Counter(s.status.value for s in batch)
     n = max(len(done), 1)
@@ -53,6 +59,10 @@ def rollout_metrics(batch, produce_s: float) -> dict[str, float]:
         "rollout/tokens": float(tokens),
         "throughput/rollout_tokens_per_s": tokens / max(produce_s, 1e-9),
         **{f"samples/{st.value}": float(counts.get(st.value, 0)) for st in Status},
+        "samples/resumed": float(sum(was_resumed(s) for s in done)),
+        "rollout/staleness_mean": sum(k * n for k, n in staleness.items()) / n,
+        "rollout/staleness_max": float(max(staleness, default=0)),
+        **{f"rollout/staleness_hist/{k}": float(c) for k, c in staleness.items()},
     }
 
 
@@ -70,19 +80,26 @@ async def evaluate(step, agent, tokenizer, eval_data, evaluator, tracker) -> dic
 
 
 async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
-    """produce -> fit -> sync. Returns the step's metrics, and the batch under "batch"."""
-    t0 = time.time()
+    """produce -> fit -> sync. Returns the step's metrics, and the batch under "batch".
+    Under the async scheduler, rollout goes on in the background during fit."""
+    t0, busy0 = time.time(), engine.busy.busy_s
+    version = engine.version  # the policy version this step trains
     batch = await scheduler.produce_batch(data, agent)
     t1 = time.time()
     await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
     train_metrics = await asyncio.to_thread(trainer.fit, batch)
     await engine.wake_up()
     t2 = time.time()
-    await trainer.sync_weights(engine)
+    await scheduler.sync_weights(trainer, engine)
     t3 = time.time()
-    return rollout_metrics(batch, t1 - t0) | train_metrics | {
+    metrics = rollout_metrics(batch, t1 - t0, version) | train_metrics
+    for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
+        metrics[k] = metrics.get(k, 0.0) + v
+    return metrics | {
         "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
-        "timing/step_s": t3 - t0, "rollout/policy_version": float(engine.version), "batch": batch}
+        "timing/step_s": t3 - t0, "rollout/policy_version": float(version),
+        "rollout/engine_idle_frac": 1.0 - (engine.busy.busy_s - busy0) / (t3 - t0),
+        "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0), "batch": batch}
 
 
 async def run(cfg: DictConfig) -> dict[str, float]:
@@ -112,7 +129,7 @@ async def run(cfg: DictConfig) -> dict[str, float]:
     tracker = build(cfg, "logger")
     extra = {f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path}
     tracker.start(cfg, extra_params=extra)
-    status, final, agents, engine = "FAILED", {}, (), None
+    status, final, agents, engine, scheduler = "FAILED", {}, (), None, None
     try:
         engine = build(cfg, "rollout", model_path=model_path, seed=cfg.seed)
         judge = build(cfg, "judge")
@@ -145,6 +162,8 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         status = "FINISHED"
         return final
     finally:
+        if scheduler is not None:
+            await scheduler.aclose()
         for a in agents:
             if hasattr(a, "aclose"):
                 await a.aclose()

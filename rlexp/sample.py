@@ -36,7 +36,12 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" | "length" | "abort"
-    version: int  # policy version of the engine weights that produced the tokens
+    versions: list[int]  # per token: policy version of the engine weights that produced it
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version among the tokens (the engine's version if there are none)."""
+        return min(self.versions, default=-1)
 
 
 _uids = itertools.count()
@@ -72,6 +77,11 @@ class Sample:
     def oldest_version(self) -> int:
         policy = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(policy) if policy else -1
+
+    def staleness(self, trained_version: int) -> int:
+        """THE definition of staleness: the number of policy versions between the version that
+        generated this sample's oldest trained token and the version being trained."""
+        return trained_version - self.oldest_version if self.response_length else 0
 
     def to_trace(self, decode) -> dict[str, Any]:
         """One JSON-serialisable line of the rollout trace artifact."""

@@ -24,4 +24,4 @@ class ScriptedEngine:
         ids = ids[: sampling.max_tokens]
         finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
         self.calls.append((list(token_ids), ids))
-        return Generation(ids, [-0.5] * len(ids), finish, self.version)
+        return Generation(ids, [-0.5] * len(ids), finish, [self.version] * len(ids))

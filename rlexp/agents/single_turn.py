@@ -59,7 +59,7 @@ class SingleTurnAgent:
         sample.tokens = prompt + gen.token_ids
         sample.loss_mask = [0] * len(prompt) + [1] * len(gen.token_ids)
         sample.logprobs = [0.0] * len(prompt) + gen.logprobs
-        sample.versions = [-1] * len(prompt) + [gen.version] * len(gen.token_ids)
+        sample.versions = [-1] * len(prompt) + gen.versions
         sample.finish_reason = gen.finish_reason
         sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         sample.turns = [{"role": "assistant", "text": sample.response_text,

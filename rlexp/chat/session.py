@@ -41,12 +41,12 @@ class Branch:
                                    turns=list(self.turns), messages=list(self.messages))
 
     def append(self, ids: list[int], *, policy: bool, logprobs: list[float] | None = None,
-               version: int = -1, role: str = "", text: str = "") -> None:
+               versions: list[int] | None = None, role: str = "", text: str = "") -> None:
         start = len(self.tokens)
         self.tokens += ids
         self.loss_mask += [int(policy)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += [version if policy else -1] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
         self.turns.append({"role": role, "text": text, "span": [start, len(self.tokens)],
                            "mask": int(policy)})
 
@@ -120,7 +120,7 @@ class ChatSession:
         """Add one completion of `prompt` as a new open branch (n > 1: call once per choice)."""
         branch = prompt.copy()
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-        branch.append(gen.token_ids, policy=True, logprobs=gen.logprobs, version=gen.version,
+        branch.append(gen.token_ids, policy=True, logprobs=gen.logprobs, versions=gen.versions,
                       role="assistant", text=text)
         branch.text = prompt.text + text
         branch.finish_reason = gen.finish_reason

@@ -10,6 +10,7 @@ from dataclasses import astuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlexp.rollout.base import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 
 
@@ -39,6 +40,9 @@ class HFEngine:
         self._pending: list[tuple[list[int], SamplingConfig, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._running = asyncio.Event()  # cleared while paused for a weight update
+        self._running.set()
+        self.busy = BusyMeter()
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         if sampling.regex:
@@ -47,22 +51,28 @@ class HFEngine:
         self._pending.append((list(token_ids), sampling, fut))
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
-        return await fut
+        gen = await fut
+        count_generated(len(gen.token_ids))
+        return gen
 
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # let every coroutine of this tick enqueue first
         while self._pending:
+            await self._running.wait()
             key = astuple(self._pending[0][1])[:3]
             batch = [p for p in self._pending if astuple(p[1])[:3] == key][: self.max_batch_size]
             taken = {id(b) for b in batch}
             self._pending = [p for p in self._pending if id(p) not in taken]
             async with self._lock:
+                self.busy.enter()
                 try:
                     gens = await asyncio.to_thread(self._generate_batch, batch)
                 except Exception as exc:  # surface to every waiting caller
                     for *_, fut in batch:
                         fut.set_exception(exc)
                     continue
+                finally:
+                    self.busy.exit()
             for (*_, fut), gen in zip(batch, gens):
                 fut.set_result(gen)
 
@@ -98,13 +108,23 @@ class HFEngine:
                     finish = "stop"
                     break
             lps = [lp[i, t].item() for i, t in enumerate(ids)]
-            gens.append(Generation(ids, lps, finish, self.version))
+            gens.append(Generation(ids, lps, finish, [self.version] * len(ids)))
         return gens
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         async with self._lock:
             self.model.load_state_dict(state_dict)
             self.version += 1
+
+    async def pause(self, interrupt: bool) -> None:
+        """Waits for the batch being generated: `generate` cannot be cut short, so partial
+        rollout (interrupt=True) degrades to waiting here."""
+        self._running.clear()
+        async with self._lock:
+            pass
+
+    async def resume(self) -> None:
+        self._running.set()
 
     async def sleep(self) -> None:
         """Nothing to release: the model lives in this process (no separate KV cache)."""

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import logging
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from rlexp.rollout.base import save_state_dict
+from rlexp.rollout.base import BusyMeter, count_generated, save_state_dict
 from rlexp.sample import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -73,10 +76,45 @@ class VLLMEngine:
         self.sleeps = enable_sleep_mode and on_gpu
         self.version = 0
         self._ids = itertools.count()
+        self._running = asyncio.Event()  # cleared while paused for a weight update
+        self._running.set()
+        self._interrupts = 0  # pauses that cut requests short so far
+        self.busy = BusyMeter()
+        self.counters: Counter[str] = Counter()
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self._weights_dir = Path(tempfile.mkdtemp(prefix="rlexp-weights-", dir=shm))
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
+        continues from the tokens it has under the new weights (partial rollout); a
+        constrained (regex) completion restarts instead, since its grammar state is lost."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        segment = 0
+        while True:
+            await self._running.wait()
+            interrupts = self._interrupts
+            seed = sampling.seed if segment == 0 or sampling.seed is None else \
+                hash((sampling.seed, segment)) & 0x7FFFFFFF
+            rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
+            new_ids, new_lps, finish, version = await self._request(list(token_ids) + ids, rest)
+            interrupted = finish == "abort" and self._interrupts != interrupts
+            if interrupted and sampling.regex:
+                self.counters["restarted_requests"] += 1
+                ids, logprobs, versions = [], [], []
+            else:
+                ids += new_ids
+                logprobs += new_lps
+                versions += [version] * len(new_ids)
+            if not interrupted:
+                return Generation(ids, logprobs, finish, versions)
+            self.counters["resumed_requests"] += 1
+            segment += 1
+            if len(ids) >= sampling.max_tokens:
+                return Generation(ids, logprobs, "length", versions)
+
+    async def _request(self, token_ids: list[int], sampling: SamplingConfig):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -90,22 +128,36 @@ class VLLMEngine:
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
             structured_outputs=constraint,
         )
-        version = self.version
-        final = None
-        async for out in self.llm.generate(
-            {"prompt_token_ids": list(token_ids)}, params, request_id=f"r{next(self._ids)}"
-        ):
-            final = out
+        final, counted, version = None, 0, self.version
+        self.busy.enter()
+        try:
+            async for out in self.llm.generate(
+                {"prompt_token_ids": token_ids}, params, request_id=f"r{next(self._ids)}"
+            ):
+                if final is None:
+                    # Read at the first output, not at submission: a request that reached the
+                    # engine while it was paused runs after the update, on the new weights.
+                    version = self.version
+                final = out
+        finally:  # also on cancellation: the tokens were generated all the same
+            self.busy.exit()
+            if final is not None:
+                counted = len(final.outputs[0].token_ids)
+            count_generated(counted)
         assert final is not None
         completion = final.outputs[0]
         ids = list(completion.token_ids)
         logprobs = [step[tid].logprob for tid, step in zip(ids, completion.logprobs or [])]
-        return Generation(
-            token_ids=ids,
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason or "abort",
-            version=version,
-        )
+        return ids, logprobs, completion.finish_reason or "abort", version
+
+    async def pause(self, interrupt: bool) -> None:
+        self._running.clear()
+        self._interrupts += interrupt
+        await self.llm.pause_generation(mode="abort" if interrupt else "wait")
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        self._running.set()
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         save_state_dict(state_dict, self._weights_dir)

@@ -1,10 +1,13 @@
-"""SyncScheduler: every trajectory of a step is generated concurrently, then training."""
+"""SyncScheduler: every trajectory of a step is generated concurrently, then training.
+Also the pieces every scheduler shares: rolling out one group, filtering, accounting."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 
+from rlexp.rollout.base import generated_tokens
 from rlexp.sample import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -26,11 +29,66 @@ def collect(samples: list[Sample], results: list) -> list[list[Sample]]:
     return list(groups.values())
 
 
+async def run_group(agent, group: list[Sample], meter: list[int]) -> list[Sample]:
+    """Roll out one prompt group; engines add every token they generate for it to `meter`.
+    Run it as its own task: the meter is set in the task's context."""
+    generated_tokens.set(meter)
+    results = await asyncio.gather(*(agent.run(s) for s in group), return_exceptions=True)
+    return [s for g in collect(group, results) for s in g]
+
+
+def has_no_signal(group: list[Sample]) -> bool:
+    """True when the group's completed samples all got the same reward: its GRPO advantages
+    are all zero, so training on it only dilutes the batch."""
+    return len({s.reward for s in group if s.status == Status.COMPLETED}) <= 1
+
+
+def trained_tokens(group: list[Sample]) -> int:
+    return sum(s.response_length for s in group if s.status == Status.COMPLETED)
+
+
 class SyncScheduler:
+    """`filter_zero_variance`: drop groups without reward variance (status FILTERED) and
+    roll out replacements, up to `max_filter_rounds` rounds per step (DAPO's dynamic sampling)."""
+
+    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: int = 4):
+        self.filter_zero_variance = filter_zero_variance
+        self.max_filter_rounds = max_filter_rounds
+        self.counts: Counter[str] = Counter()
+
     async def produce_batch(self, data, agent) -> list[Sample]:
-        groups = data.sample_groups(data.prompts_per_step)
-        flat = [s for g in groups for s in g]
-        results = await asyncio.gather(*(agent.run(s) for s in flat), return_exceptions=True)
-        groups = collect(flat, results)
-        data.put(groups)
-        return data.get_batch(len(groups))
+        kept: list[list[Sample]] = []
+        for _ in range(self.max_filter_rounds if self.filter_zero_variance else 1):
+            groups = data.sample_groups(data.prompts_per_step - len(kept))
+            meters = [[0] for _ in groups]
+            done = await asyncio.gather(*(run_group(agent, g, m) for g, m in zip(groups, meters)))
+            for group, meter in zip(done, meters):
+                if self.filter_zero_variance and has_no_signal(group):
+                    self.reject(group, Status.FILTERED, meter[0])
+                else:
+                    self.counts["rollout/untrained_tokens"] += meter[0] - trained_tokens(group)
+                    kept.append(group)
+            if len(kept) == data.prompts_per_step:
+                break
+        data.put(kept)
+        return data.get_batch(len(kept))
+
+    def reject(self, group: list[Sample], status: Status, generated: int) -> None:
+        for s in group:
+            if s.status in (Status.COMPLETED, Status.INIT):
+                s.status = status
+        self.counts[f"samples/{status.value}"] += len(group)
+        self.counts["rollout/untrained_tokens"] += generated
+
+    async def sync_weights(self, trainer, engine) -> None:
+        await trainer.sync_weights(engine)
+
+    def pop_counts(self) -> dict[str, float]:
+        """Counts since the last call: samples rejected before reaching a batch, tokens
+        generated but never trained."""
+        out = {k: float(v) for k, v in self.counts.items()}
+        self.counts.clear()
+        return out
+
+    async def aclose(self) -> None:
+        """Nothing runs between calls."""

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rlexp.sample import Sample, Status
 from rlexp.trainer.advantages import group_advantages
-from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl
+from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl, truncated_is_pg_loss
 from rlexp.trainer.packer import PackedRow, pack
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class GRPOTrainer:
         max_grad_norm: float = 1.0,
         norm_adv_by_std: bool = True,
         old_logprobs: str = "rollout",
+        off_policy_correction: str = "none",
+        is_cap: float = 2.0,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
         minibatches_per_step: int = 1,
@@ -62,6 +64,9 @@ class GRPOTrainer:
     ):
         if old_logprobs not in ("rollout", "recompute"):
             raise ValueError(f"trainer.old_logprobs must be 'rollout' or 'recompute', got {old_logprobs!r}")
+        if off_policy_correction not in ("none", "decoupled", "tis"):
+            raise ValueError("trainer.off_policy_correction must be 'none', 'decoupled' or 'tis', "
+                             f"got {off_policy_correction!r}")
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).train()
@@ -79,6 +84,9 @@ class GRPOTrainer:
         self.max_grad_norm = max_grad_norm
         self.norm_adv_by_std = norm_adv_by_std
         self.old_logprobs = old_logprobs
+        self.correction = off_policy_correction
+        self.is_cap = is_cap
+        self.version = 0  # policy version being trained = fits done = weight syncs done
         self.minibatches_per_step = minibatches_per_step
         self.micro_batch_tokens = micro_batch_tokens
 
@@ -97,8 +105,12 @@ class GRPOTrainer:
         return group_advantages(rewards, [s.group_id for s in batch], self.norm_adv_by_std)
 
     def train(self, batch: list[Sample], old: list[torch.Tensor], adv: torch.Tensor,
-              ref: list[torch.Tensor] | None = None, update: bool = True) -> dict[str, float]:
-        """Optimizer steps over `minibatches_per_step` slices of the batch."""
+              ref: list[torch.Tensor] | None = None, update: bool = True,
+              behav: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Optimizer steps over `minibatches_per_step` slices of the batch. `old`: the
+        proximal logprobs the PPO ratio is clipped around; `behav`: the rollout's (default
+        `old`)."""
+        behav = old if behav is None else behav
         idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
         stats: dict[str, list[float]] = {}
         n_mb = min(self.minibatches_per_step, max(len(idx), 1))
@@ -108,25 +120,34 @@ class GRPOTrainer:
                 continue
             self._train_minibatch([batch[i] for i in part], [old[i] for i in part],
                                   adv[part], None if ref is None else [ref[i] for i in part],
-                                  stats, first=m == 0, update=update)
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+                                  stats, first=m == 0, update=update, behav=[behav[i] for i in part])
+        out = {k: sum(v) / len(v) for k, v in stats.items() if not k.startswith("_")}
+        # Trainer vs rollout, by staleness, measured before the first optimizer step.
+        for k in sorted({int(key.rsplit("_", 1)[1]) for key in stats if key.startswith("_tokens_")}):
+            n = stats[f"_tokens_{k}"][0]
+            out[f"offpolicy/tokens/staleness_{k}"] = n
+            out[f"offpolicy/ratio_mean/staleness_{k}"] = stats[f"_ratio_{k}"][0] / n
+            out[f"offpolicy/mismatch_kl/staleness_{k}"] = stats[f"_kl_{k}"][0] / n
+        return out
 
     def fit(self, batch: list[Sample]) -> dict[str, float]:
-        if self.old_logprobs == "recompute":
-            old = self.compute_old_logprobs(batch)
+        behav = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
+        if self.old_logprobs == "recompute" or self.correction == "decoupled":
+            old = self.compute_old_logprobs(batch)  # the proximal policy: these weights
         else:
-            old = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
+            old = behav
         ref = self.compute_ref_logprobs(batch)
         adv = self.compute_advantages(batch)
         # Every group's rewards equal and no KL/entropy term: the gradient is zero. An optimizer
         # step would still move the weights on Adam's momentum from earlier steps, so skip it
         # (the forward still runs: loss, entropy and KL are logged as on any step).
         no_signal = not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0
-        metrics = self.train(batch, old, adv, ref, update=not no_signal)
+        metrics = self.train(batch, old, adv, ref, update=not no_signal, behav=behav)
         metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()  # one schedule step per fit (per RL step)
+        self.version += 1
         return metrics
 
     async def sync_weights(self, engine) -> None:
@@ -165,13 +186,20 @@ class GRPOTrainer:
                 start += n
         return out
 
-    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool, update: bool = True) -> None:
+    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool, update: bool = True,
+                         behav=None) -> None:
         n_tokens = sum(s.response_length for s in samples)
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
                "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0}
+        if self.correction != "none":
+            acc |= {"is_weight_mean": 0.0, "is_weight_max": 0.0, "is_truncated_frac": 0.0}
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
         advs = [torch.full((len(s.tokens),), adv[i].item()) for i, s in enumerate(samples)]
+        # Samples built by hand may carry no versions: count them as on-policy.
+        stale = [torch.tensor([self.version - v for v in s.versions] if s.versions else [0] * len(s.tokens))
+                 for s in samples]
+        by_staleness: dict[str, float] = {}
         for row in self._rows(samples):
             logp, ent = self._row_forward(self.model, row, samples, entropy=True)
             members = row.members
@@ -179,8 +207,15 @@ class GRPOTrainer:
             def cat(xs, members=members):  # per-sample token tensors -> this row's predictions
                 return torch.cat([xs[i][1:] for i in members]).to(self.device)
 
-            mask, old_lp = cat(masks), cat(old)
-            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, cat(advs), low, high)
+            mask, old_lp, behav_lp = cat(masks), cat(old), cat(behav)
+            if self.correction == "tis":
+                pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, cat(advs), self.is_cap)
+                weight = torch.clamp(ratio, max=self.is_cap)
+            else:
+                pg, ratio, clipped = clipped_pg_loss(logp, old_lp, cat(advs), low, high)
+            if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
+                weight = torch.exp(old_lp - behav_lp).clamp(max=self.is_cap)  # reweighted to it
+                pg = pg * weight
             loss_tok = pg - self.entropy_coef * ent
             kl = k3_kl(logp, cat(ref)) if ref is not None else None
             if kl is not None and self.kl_coef > 0:
@@ -201,8 +236,20 @@ class GRPOTrainer:
                 acc["kl"] += masked_mean(kl)
             # Before the first optimizer step the trainer holds the rollout policy, so this
             # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
+            if self.correction != "none":
+                acc["is_weight_mean"] += masked_mean(weight)
+                acc["is_weight_max"] = max(acc["is_weight_max"], (weight * mask).max().item())
+                acc["is_truncated_frac"] += masked_mean(weight < torch.exp(old_lp - behav_lp)
+                                                        if self.correction == "decoupled" else clipped)
             if first:
                 acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
+                behav_ratio, behav_kl = torch.exp(logp - behav_lp).detach(), k3_kl(logp, behav_lp)
+                st = cat(stale)
+                for k in st[mask.bool()].unique().tolist():
+                    sel = (st == k) & mask.bool()
+                    for name, x in (("tokens", sel.float()), ("ratio", behav_ratio), ("kl", behav_kl)):
+                        key = f"_{name}_{k}"
+                        by_staleness[key] = by_staleness.get(key, 0.0) + x.detach()[sel].sum().item()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if update:
             self.optimizer.step()
@@ -215,3 +262,5 @@ class GRPOTrainer:
             del acc["mismatch_kl"]
         for k, v in acc.items():
             stats.setdefault(f"train/{k}", []).append(v)
+        for k, v in by_staleness.items():
+            stats.setdefault(k, []).append(v)

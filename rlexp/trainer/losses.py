@@ -15,6 +15,15 @@ def clipped_pg_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tenso
     return loss, ratio.detach(), (clipped > unclipped).float()
 
 
+def truncated_is_pg_loss(logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor, cap: float):
+    """Policy gradient with a truncated importance weight against the behaviour policy:
+    -min(r, cap) * A * logp with r = exp(logp - behav) held constant (no trust region, no
+    recomputed proximal policy; the gradient equals PPO's where r = 1)."""
+    ratio = torch.exp(logp - behav_logp).detach()
+    weight = torch.clamp(ratio, max=cap)
+    return -weight * adv * logp, ratio, (ratio > cap).float()
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token unbiased, non-negative estimate of KL(policy || ref) (Schulman's k3)."""
     delta = ref_logp - logp

@@ -1,0 +1,185 @@
+"""AsyncScheduler: rollout runs in the background while the trainer trains, within a bound
+on staleness (`Sample.staleness`: policy versions between the version that generated a
+sample's oldest trained token and the version being trained).
+
+Lifecycle of a prompt group: launched (admission control) -> in flight -> finished ->
+accepted (waiting for a batch) or FILTERED -> trained, or EXPIRED if it got too stale.
+A long-running group can instead be set aside as a tail-batch candidate (ABORTED) and
+re-rolled later. Rollout and training only meet at `produce_batch` and `sync_weights`, so
+the engine may sit on another device than the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from rlexp.sample import Sample, Status
+from rlexp.schedulers.sync import SyncScheduler, has_no_signal, run_group, trained_tokens
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupRun:
+    index: int  # launch order; batches take accepted groups in this order
+    start_version: int
+    fresh: list[Sample]  # untouched copies of the prompts, to re-roll the group
+    tail: bool = False  # a re-roll of a set-aside group: never set aside again
+    task: asyncio.Task | None = None
+    meter: list[int] = field(default_factory=lambda: [0])  # tokens generated for it
+    cancelled: Status | None = None  # EXPIRED or ABORTED (set aside) once cancelled
+    samples: list[Sample] = field(default_factory=list)
+
+
+def fresh_copies(group: list[Sample]) -> list[Sample]:
+    return [Sample(group_id=s.group_id, prompt=s.prompt, answer=s.answer, metadata=dict(s.metadata))
+            for s in group]
+
+
+class AsyncScheduler(SyncScheduler):
+    """Knobs (versions = weight updates; B = `data.prompts_per_step` groups per batch):
+
+    - staleness_threshold η: no sample with staleness > η is trained. Admission control
+      keeps (groups trained + accepted + in flight) <= (version + η + 1) * B
+      + over_sample_groups, so at most about η batches run ahead of the trainer.
+      A group that gets too stale anyway (waiting, or still in flight) is EXPIRED.
+    - enable_partial_rollout: at a weight update, in-flight generations are cut short and
+      continue under the new weights (tokens keep their versions); otherwise the update
+      waits until they finish.
+    - tail_batch_candidate_step c (1..η, 0 = off): a group still in flight after c weight
+      updates is set aside (cancelled, ABORTED, its tokens counted as never trained).
+    - tail_batch_trigger_size k (1..B): once k groups are set aside, they are re-rolled
+      from scratch under the current policy, and the next batch waits for all of them and
+      trains them first (the tail batch). Long prompts are deferred, never dropped.
+    - over_sample_groups: extra groups in flight beyond the bound, so filtered groups are
+      replaced without waiting (the surplus may expire).
+    - filter_zero_variance: groups whose rewards have no variance are FILTERED.
+
+    With η = 0 and no over-sampling this is exactly the SyncScheduler: the same groups,
+    launched together, trained in the same order."""
+
+    def __init__(self, staleness_threshold: int = 1, enable_partial_rollout: bool = True,
+                 tail_batch_candidate_step: int = 0, tail_batch_trigger_size: int = 0,
+                 over_sample_groups: int = 0, filter_zero_variance: bool = False):
+        super().__init__(filter_zero_variance)
+        self.staleness_threshold = staleness_threshold
+        self.enable_partial_rollout = enable_partial_rollout
+        self.tail_candidate_step = tail_batch_candidate_step
+        self.tail_trigger_size = tail_batch_trigger_size
+        self.over_sample_groups = over_sample_groups
+        self.version = 0
+        self._batch_groups = 0
+        self._running: list[GroupRun] = []
+        self._accepted: list[GroupRun] = []
+        self._set_aside: list[GroupRun] = []
+        self._launched = 0
+        self._trained_groups = 0
+        self._syncing = False
+        self._producer: asyncio.Task | None = None
+        self._wake_producer = asyncio.Event()
+        self._wake_consumer = asyncio.Event()
+
+    # ---- consumer side (the training loop) ---------------------------------------------
+    async def produce_batch(self, data, agent) -> list[Sample]:
+        if self._producer is None:
+            self._batch_groups = data.prompts_per_step
+            self._producer = asyncio.create_task(self._produce(data, agent))
+            self._producer.add_done_callback(lambda _: self._wake_consumer.set())
+        while True:
+            self._wake_consumer.clear()
+            if self._producer.done():
+                self._producer.result()  # re-raise what stopped it
+                raise RuntimeError("the rollout producer stopped")
+            self._bookkeep()
+            tails_in_flight = any(r.tail and not r.cancelled for r in self._running)
+            if not tails_in_flight and len(self._accepted) >= self._batch_groups:
+                break
+            await self._wake_consumer.wait()
+        self._accepted.sort(key=lambda r: (not r.tail, r.index))
+        taken = self._accepted[: self._batch_groups]
+        self._accepted = self._accepted[self._batch_groups:]
+        self._trained_groups += len(taken)
+        for r in taken:
+            self.counts["rollout/untrained_tokens"] += r.meter[0] - trained_tokens(r.samples)
+        self.counts["rollout/tail_groups"] += sum(r.tail for r in taken)
+        self._wake_producer.set()
+        data.put([r.samples for r in taken])
+        return data.get_batch(len(taken))
+
+    async def sync_weights(self, trainer, engine) -> None:
+        self._syncing = True  # no launches while the engine is paused
+        try:
+            await engine.pause(interrupt=self.enable_partial_rollout)
+            try:
+                await trainer.sync_weights(engine)
+            finally:
+                await engine.resume()
+            self.version = engine.version
+        finally:
+            self._syncing = False
+            self._wake_producer.set()
+
+    async def aclose(self) -> None:
+        tasks = [r.task for r in self._running if r.task] + ([self._producer] if self._producer else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- producer side (background task) -----------------------------------------------
+    async def _produce(self, data, agent) -> None:
+        while True:
+            self._wake_producer.clear()
+            if not self._syncing:
+                self._bookkeep()
+                self._launch(data, agent)
+            self._wake_consumer.set()
+            await self._wake_producer.wait()
+
+    def _bookkeep(self) -> None:
+        """Move finished groups on, cancel groups that can no longer be trained."""
+        eta = self.staleness_threshold
+        for r in [r for r in self._running if r.task.done()]:
+            self._running.remove(r)
+            if r.cancelled is not None:
+                self.reject(r.fresh, r.cancelled, r.meter[0])
+                continue
+            r.samples = r.task.result()
+            if self.filter_zero_variance and has_no_signal(r.samples):
+                self.reject(r.samples, Status.FILTERED, r.meter[0])
+            else:
+                self._accepted.append(r)
+        for r in [r for r in self._accepted if any(s.staleness(self.version) > eta for s in r.samples)]:
+            self._accepted.remove(r)
+            self.reject(r.samples, Status.EXPIRED, r.meter[0])
+        for r in [r for r in self._running if r.cancelled is None]:
+            age = self.version - r.start_version
+            if not r.tail and self.tail_candidate_step and age >= self.tail_candidate_step:
+                r.cancelled = Status.ABORTED
+                self._set_aside.append(r)
+                r.task.cancel()
+            elif age > eta:
+                r.cancelled = Status.EXPIRED
+                r.task.cancel()
+
+    def _launch(self, data, agent) -> None:
+        k = self.tail_trigger_size
+        if k and len(self._set_aside) >= k:
+            tails, self._set_aside = self._set_aside[:k], self._set_aside[k:]
+            log.info("tail batch: re-rolling %d long-running groups", len(tails))
+            for r in tails:
+                self._start(agent, fresh_copies(r.fresh), tail=True)
+        active = sum(1 for r in self._running if r.cancelled is None)
+        capacity = ((self.version + self.staleness_threshold + 1) * self._batch_groups
+                    + self.over_sample_groups)
+        admitted = self._trained_groups + len(self._accepted) + active
+        if admitted < capacity:
+            for group in data.sample_groups(capacity - admitted):
+                self._start(agent, group)
+
+    def _start(self, agent, group: list[Sample], tail: bool = False) -> None:
+        run = GroupRun(self._launched, self.version, fresh_copies(group), tail)
+        self._launched += 1
+        run.task = asyncio.create_task(run_group(agent, group, run.meter))
+        run.task.add_done_callback(lambda _: self._wake_producer.set())
+        self._running.append(run)
