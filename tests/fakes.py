@@ -3,6 +3,10 @@ a component: the real engines have their own tests)."""
 
 from __future__ import annotations
 
+import asyncio
+import random
+
+from rlexp.rollout.base import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 
 
@@ -16,6 +20,7 @@ class ScriptedEngine:
         self.sampling = SamplingConfig(1.0, 1.0, 200, 0)
         self.max_model_len = max_model_len
         self.version = 0
+        self.busy = BusyMeter()
         self.calls: list[tuple[list[int], list[int]]] = []
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
@@ -25,3 +30,66 @@ class ScriptedEngine:
         finish = "stop" if ids[-1] == self.tokenizer.eos_token_id else "length"
         self.calls.append((list(token_ids), ids))
         return Generation(ids, [-0.5] * len(ids), finish, [self.version] * len(ids))
+
+
+class TimedEngine:
+    """A RolloutEngine for scheduler tests: one token every `token_s` seconds, response
+    lengths long-tailed (fixed by the request seed), pause/resume like the vLLM engine:
+    interrupt=True cuts generations short and continues them under the new version."""
+
+    def __init__(self, token_s: float = 0.001, max_tokens: int = 64, mean_len: float = 8.0):
+        self.token_s = token_s
+        self.sampling = SamplingConfig(1.0, 1.0, max_tokens, 0)
+        self.max_model_len = 4096
+        self.mean_len = mean_len
+        self.version = 0
+        self.busy = BusyMeter()
+        self._running = asyncio.Event()
+        self._running.set()
+        self._interrupts = 0
+        self.updates_while_generating = 0
+
+    def length(self, seed) -> int:
+        rng = random.Random(seed)
+        return max(1, min(self.sampling.max_tokens, int(rng.expovariate(1 / self.mean_len)) + 1))
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        n = min(self.length(sampling.seed), sampling.max_tokens)
+        ids: list[int] = []
+        versions: list[int] = []
+        while len(ids) < n:
+            await self._running.wait()
+            interrupts = self._interrupts
+            self.busy.enter()
+            try:
+                while len(ids) < n and interrupts == self._interrupts:
+                    await asyncio.sleep(self.token_s)
+                    if interrupts != self._interrupts:
+                        break  # cut short: this token was never produced
+                    ids.append(7)
+                    versions.append(self.version)
+                    count_generated(1)
+            finally:
+                self.busy.exit()
+        finish = "stop" if n < sampling.max_tokens else "length"
+        return Generation(ids, [-0.5] * len(ids), finish, versions)
+
+    async def pause(self, interrupt: bool) -> None:
+        self._running.clear()
+        if interrupt:
+            self._interrupts += 1
+        while self.busy.active:
+            await asyncio.sleep(self.token_s / 4)
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    async def update_weights(self, state_dict) -> None:
+        self.updates_while_generating += self.busy.active > 0
+        self.version += 1
+
+    async def sleep(self) -> None:
+        pass
+
+    async def wake_up(self) -> None:
+        pass

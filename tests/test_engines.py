@@ -112,3 +112,41 @@ def test_vllm_sleep_wake_keeps_synced_weights(tiny_model_path, tokenizer):
 
     before, after = asyncio.run(main())
     assert before < 1e-4 and after < 1e-4
+
+
+@pytest.mark.vllm
+def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_model_path, tokenizer):
+    """pause(interrupt=True) mid-generation, new weights, resume: generations continue; the
+    tokens tagged with version 0 match the old weights' logprobs, version 1 the new ones."""
+    trainer = _trainer(tiny_model_path)
+    old_state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    prompts = _prompts(tokenizer) * 4
+
+    async def check(engine):
+        reqs = [asyncio.create_task(engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 200, seed=i)))
+                for i, p in enumerate(prompts)]
+        while engine.busy.active == 0 or engine.busy.busy_s < 1.0:
+            await asyncio.sleep(0.05)
+        await engine.pause(interrupt=True)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        await trainer.sync_weights(engine)
+        await engine.resume()
+        return await asyncio.gather(*reqs)
+
+    gens = _run_vllm(tiny_model_path, tokenizer, check)
+    assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) for g in gens)
+    mixed = [(p, g) for p, g in zip(prompts, gens) if g.versions[0] == 0 and g.versions[-1] == 1]
+    assert mixed, [set(g.versions) for g in gens]
+    assert all(g.versions == sorted(g.versions) for g in gens)
+    samples = _as_samples([p for p, _ in mixed], [g for _, g in mixed])
+    new_lp = trainer.compute_old_logprobs(samples)
+    trainer.model.load_state_dict(old_state)
+    old_lp = trainer.compute_old_logprobs(samples)
+    for (p, g), new, old in zip(mixed, new_lp, old_lp):
+        v = torch.tensor(g.versions)
+        got = torch.tensor(g.logprobs)
+        assert (got[v == 0] - old[len(p):][v == 0]).abs().max() < 1e-4
+        assert (got[v == 1] - new[len(p):][v == 1]).abs().max() < 1e-4
+        assert (got[v == 1] - old[len(p):][v == 1]).abs().max() > 1e-3  # versions are told apart

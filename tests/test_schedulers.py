@@ -1,0 +1,177 @@
+"""Scheduler orchestration with a timed fake engine and a fake trainer: the staleness bound,
+admission control, partial rollout, tail batches, filtering. (The real engine's partial
+rollout and sync/async parity with real vLLM are tested in test_engines.py / test_run.py.)"""
+
+import asyncio
+import random
+import time
+from dataclasses import replace
+
+import pytest
+
+from rlexp.agents.single_turn import request_seed
+from rlexp.data.manager import DataManager
+from rlexp.data.sources import ArithmeticSource
+from rlexp.run import rl_step
+from rlexp.sample import Sample, Status
+from rlexp.schedulers.async_scheduler import AsyncScheduler
+from rlexp.schedulers.sync import SyncScheduler
+from tests.fakes import TimedEngine
+
+PROMPT = [1, 2, 3]
+
+
+class CountingAgent:
+    """Single-turn: PROMPT + the engine's tokens; reward from the sample's seed (so some
+    groups have no reward variance)."""
+
+    def __init__(self, engine, reward_p: float = 0.5):
+        self.engine = engine
+        self.reward_p = reward_p
+
+    async def run(self, s: Sample) -> Sample:
+        gen = await self.engine.generate(PROMPT, replace(self.engine.sampling,
+                                                         seed=request_seed(0, s)))
+        s.tokens = PROMPT + gen.token_ids
+        s.loss_mask = [0] * len(PROMPT) + [1] * len(gen.token_ids)
+        s.logprobs = [0.0] * len(PROMPT) + gen.logprobs
+        s.versions = [-1] * len(PROMPT) + gen.versions
+        s.turns = [{"role": "assistant", "span": [len(PROMPT), len(s.tokens)], "mask": 1}]
+        s.reward = float(random.Random(s.metadata["seed"]).random() < self.reward_p)
+        s.status = Status.COMPLETED
+        return s
+
+
+class SleepyTrainer:
+    """Records what it trains; `fit` takes `fit_s` seconds (in a thread, like the real one)."""
+
+    def __init__(self, fit_s: float):
+        self.fit_s = fit_s
+        self.version = 0
+        self.batches: list[list[Sample]] = []
+
+    def fit(self, batch):
+        time.sleep(self.fit_s)
+        self.batches.append(batch)
+        self.version += 1
+        return {}
+
+    async def sync_weights(self, engine):
+        await engine.update_weights({})
+
+
+def _data(groups=4, per_prompt=4):
+    return DataManager(ArithmeticSource(max_operand=99, ops="+", eval_size=10, seed=0),
+                       prompts_per_step=groups, samples_per_prompt=per_prompt, seed=0)
+
+
+async def _train(scheduler, steps=8, fit_s=0.02, token_s=0.001, mean_len=8.0, max_tokens=64,
+                 reward_p=0.5):
+    engine = TimedEngine(token_s, max_tokens, mean_len)
+    trainer = SleepyTrainer(fit_s)
+    data = _data()
+    agent = CountingAgent(engine, reward_p)
+    metrics = []
+    try:
+        for _ in range(steps):
+            m = await rl_step(scheduler, data, agent, engine, trainer)
+            m.pop("batch")
+            metrics.append(m)
+    finally:
+        await scheduler.aclose()
+    return trainer, engine, metrics
+
+
+def _staleness(trainer):
+    """Per trained sample: trainer version at fit minus the oldest version of its tokens."""
+    return [[s.staleness(v) for s in batch if s.status == Status.COMPLETED]
+            for v, batch in enumerate(trainer.batches)]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("slow", ["trainer", "rollout"])
+def test_no_trained_sample_exceeds_the_staleness_bound(eta, partial, slow):
+    fit_s, token_s = (0.05, 0.0005) if slow == "trainer" else (0.001, 0.004)
+    sched = AsyncScheduler(staleness_threshold=eta, enable_partial_rollout=partial)
+    trainer, engine, metrics = asyncio.run(_train(sched, fit_s=fit_s, token_s=token_s))
+    stale = _staleness(trainer)
+    assert all(len(b) == 16 for b in trainer.batches)  # every step got a full batch
+    assert max(max(b) for b in stale) <= eta
+    assert [m["rollout/staleness_max"] for m in metrics] == [float(max(b)) for b in stale]
+    if slow == "trainer":
+        # Rollout is fast, so the scheduler runs the full bound ahead (it is used, not just obeyed).
+        assert max(max(b) for b in stale[eta:]) == eta
+    # Admission control: never more groups admitted than can be trained within the bound
+    # (a group that expired in flight frees its place).
+    expired_groups = sum(m["samples/expired"] for m in metrics) / 4
+    assert sched._launched - expired_groups <= (engine.version + eta + 1) * 4
+
+
+def test_admission_control_stops_launching_at_the_bound():
+    async def main():
+        engine = TimedEngine(0.0005)
+        sched = AsyncScheduler(staleness_threshold=2)
+        data = _data()
+        await sched.produce_batch(data, CountingAgent(engine))
+        await asyncio.sleep(0.3)  # the trainer never comes back: rollout must stop on its own
+        launched = sched._launched
+        await sched.aclose()
+        return launched
+    assert asyncio.run(main()) == 3 * 4  # (version 0 + eta 2 + 1) batches of 4 groups
+
+
+def test_partial_rollout_continues_generations_under_the_new_version():
+    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=True)
+    trainer, engine, metrics = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002,
+                                                  mean_len=30, max_tokens=120))
+    resumed = [s for b in trainer.batches for s in b if len(set(s.versions[3:])) > 1]
+    assert resumed and sum(m["samples/resumed"] for m in metrics) == len(resumed)
+    for s in resumed:  # versions never go back, and each token keeps the one that produced it
+        assert s.versions[3:] == sorted(s.versions[3:])
+    assert engine.updates_while_generating == 0  # weights never changed under a running request
+
+
+def test_without_partial_rollout_the_update_waits_for_running_generations():
+    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=False)
+    trainer, *_ = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002, mean_len=30,
+                                     max_tokens=120))
+    assert all(len(set(s.versions[3:])) == 1 for b in trainer.batches for s in b)
+
+
+def test_tail_batch_sets_long_groups_aside_and_trains_them_later():
+    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=True,
+                           tail_batch_candidate_step=1, tail_batch_trigger_size=2)
+    trainer, engine, metrics = asyncio.run(_train(sched, steps=16, fit_s=0.02, token_s=0.001,
+                                                  mean_len=12, max_tokens=200))
+    aborted = sum(m["samples/aborted"] for m in metrics)
+    tails = sum(m["rollout/tail_groups"] for m in metrics)
+    assert aborted >= 8 and tails >= 2  # at least one tail batch of 2 groups of 4 samples
+    assert max(max(b) for b in _staleness(trainer)) <= 2
+    assert sum(m["rollout/untrained_tokens"] for m in metrics) > 0  # set-aside work is counted
+    trained_gids = [s.group_id for b in trainer.batches for s in b]
+    assert len(set(trained_gids)) * 4 == len(trained_gids)  # no group trained twice
+
+
+@pytest.mark.parametrize("make", [lambda: SyncScheduler(filter_zero_variance=True),
+                                  lambda: AsyncScheduler(1, filter_zero_variance=True)])
+def test_groups_without_reward_variance_are_filtered_and_counted(make):
+    sched = make()
+    trainer, _, metrics = asyncio.run(_train(sched, steps=4, reward_p=0.3))
+    assert sum(m["samples/filtered"] for m in metrics) > 0
+    for batch in trainer.batches:
+        assert len(batch) == 16
+        by_group = {}
+        for s in batch:
+            by_group.setdefault(s.group_id, set()).add(s.reward)
+        assert all(len(r) == 2 for r in by_group.values())
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_staleness_zero_trains_the_same_batches_as_sync(filtering):
+    def run(sched):
+        trainer, *_ = asyncio.run(_train(sched, steps=5, fit_s=0.01, reward_p=0.3))
+        return [[(s.group_id, s.tokens, s.versions, s.reward) for s in b] for b in trainer.batches]
+    sync = run(SyncScheduler(filter_zero_variance=filtering))
+    assert sync == run(AsyncScheduler(0, filter_zero_variance=filtering))
+    assert sync != run(AsyncScheduler(1, filter_zero_variance=filtering))  # the test can tell
