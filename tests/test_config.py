@@ -62,6 +62,14 @@ def test_cheap_groups_instantiate(group):
     ("agent=multiturn agent.max_turns=0", "agent.max_turns must be >= 1"),
     ("agent=tool agent.on_prefix_break=ignore", "agent.on_prefix_break must be one of split, restart"),
     ("agent=openai agent.entrypoint=nope.mod:fn", "agent.entrypoint 'nope.mod:fn' cannot be loaded"),
+    ("scheduler=async scheduler.staleness_threshold=-1", "scheduler.staleness_threshold must be >= 0"),
+    ("scheduler=async scheduler.tail_batch_candidate_step=1", "go on together"),
+    ("scheduler=async scheduler.staleness_threshold=1 scheduler.tail_batch_candidate_step=2 "
+     "scheduler.tail_batch_trigger_size=4", "tail_batch_candidate_step=2 must be <= scheduler.staleness"),
+    ("scheduler=async scheduler.tail_batch_candidate_step=1 scheduler.tail_batch_trigger_size=99",
+     "tail_batch_trigger_size=99 must be <= data.prompts_per_step=32"),
+    ("scheduler=async rollout.enable_sleep_mode=true", "use scheduler=sync with it"),
+    ("trainer.off_policy_correction=vtrace", "trainer.off_policy_correction must be one of none"),
 ])
 def test_validate_names_the_bad_key(override, message):
     with pytest.raises(ConfigError, match=message):

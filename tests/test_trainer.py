@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -137,3 +139,49 @@ def test_no_signal_means_no_update(tiny_model_path, tokenizer):
     metrics = trainer.fit(batch)  # equal rewards within every group: nothing to learn
     assert metrics["train/skipped_step"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+
+
+def _on_policy(trainer, batch):
+    for s, lp in zip(batch, trainer.compute_old_logprobs(batch)):
+        s.logprobs = lp.tolist()
+        s.versions = [trainer.version] * len(s.tokens)
+    return batch
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "tis"])
+def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, tokenizer, correction):
+    """On-policy every importance weight is 1, so one step moves the weights exactly as the
+    uncorrected loss does; off-policy they differ (the correction does something)."""
+    texts = [("12+3=", [("15", 1.0), ("99", 0.0), ("1", 0.0)])]
+    steps = {}
+    for mode in ("none", correction):
+        trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=False, off_policy_correction=mode,
+                           is_cap=10.0)
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.fit(_on_policy(trainer, _batch(tokenizer, texts)))
+        steps[mode] = {k: v - before[k] for k, v in trainer.model.state_dict().items()}
+    assert any(d.abs().max() > 1e-4 for d in steps["none"].values())
+    for k, d in steps["none"].items():
+        assert torch.allclose(d, steps[correction][k], atol=1e-6), k
+
+
+def test_importance_weights_are_truncated_and_broken_down_by_staleness(tiny_model_path, tokenizer):
+    texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
+    for mode in ("decoupled", "tis"):
+        trainer = _trainer(tiny_model_path, track_ref_kl=False, off_policy_correction=mode, is_cap=2.0)
+        batch = _on_policy(trainer, _batch(tokenizer, texts))
+        for s in batch[2:]:  # the second group is one version old, its behaviour policy less sure
+            s.logprobs = [lp - 1.0 if m else lp for lp, m in zip(s.logprobs, s.loss_mask)]
+            s.versions = [trainer.version - 1] * len(s.tokens)
+        m = trainer.fit(batch)
+        stale_tokens = sum(s.response_length for s in batch[2:])
+        assert m["offpolicy/tokens/staleness_1"] == stale_tokens
+        assert m["offpolicy/tokens/staleness_0"] == sum(s.response_length for s in batch[:2])
+        assert m["offpolicy/ratio_mean/staleness_0"] == pytest.approx(1.0, abs=1e-4)
+        assert m["offpolicy/ratio_mean/staleness_1"] == pytest.approx(torch.e, rel=1e-3)
+        assert m["offpolicy/mismatch_kl/staleness_1"] == pytest.approx(math.exp(-1), rel=1e-3)  # k3
+        # pi/pi_behav = e on the stale tokens, capped at 2; 1 elsewhere
+        n = sum(s.response_length for s in batch)
+        assert m["train/is_weight_max"] == pytest.approx(2.0, rel=1e-4)
+        assert m["train/is_weight_mean"] == pytest.approx((n + stale_tokens) / n, rel=1e-3)
+        assert m["train/is_truncated_frac"] == pytest.approx(stale_tokens / n, rel=1e-3)
