@@ -34,7 +34,7 @@ def test_async_speedup_bench_runs_and_reports_ratios():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     rows = {x.split()[0]: x.split()[1:] for x in lines if x.startswith(("sync ", "async_1 "))}
-    assert set(rows) == {"sync", "async_1"} and all(len(r) == 14 for r in rows.values())
+    assert set(rows) == {"sync", "async_1"} and all(len(r) == 15 for r in rows.values())
     assert float(rows["sync"][7]) == 0.0  # staleness_max: sync is on-policy
     assert 0.0 <= float(rows["async_1"][7]) <= 1.0  # and async stays within its bound
     ratio = [x for x in res.stdout.splitlines() if x.startswith("sync/async_1: training loop")]
