@@ -10,6 +10,19 @@ from omegaconf import DictConfig, OmegaConf
 OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
 
 
+def _job_dirname(sweep_dir: str, num: int, overrides) -> str:
+    """A sweep job's directory: `<num>_<the values of the swept keys>`, e.g. `2_staleness_threshold=2`."""
+    from rlexp.tracking.sweep import job_run_name, read_sweep
+
+    info = read_sweep(sweep_dir) or {"varying": []}
+    name = job_run_name(info["varying"], list(overrides)) if info["varying"] else "job"
+    return f"{num}_{name.replace('/', '_')}"
+
+
+# hydra.sweep.subdir: ${rlexp.job_dirname:${hydra.sweep.dir},${hydra.job.num},${hydra.overrides.task}}
+OmegaConf.register_new_resolver("rlexp.job_dirname", _job_dirname, replace=True)
+
+
 class ConfigError(ValueError):
     """A bad config value, reported as one line before anything expensive starts."""
 

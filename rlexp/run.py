@@ -17,6 +17,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
@@ -25,6 +26,7 @@ from rlexp.agents.single_turn import render_prompt
 from rlexp.config import ConfigError, validate, validate_data, validate_lengths
 from rlexp.sample import SamplingConfig, Status
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, read_sweep
 
 log = logging.getLogger("rlexp")
 
@@ -102,7 +104,7 @@ async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
         "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0), "batch": batch}
 
 
-async def run(cfg: DictConfig) -> dict[str, float]:
+async def run(cfg: DictConfig, tags: dict[str, str] | None = None) -> dict[str, float]:
     derived = validate(cfg)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -127,6 +129,7 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         validate_lengths(cfg, longest, f"{split} split")
 
     tracker = build(cfg, "logger")
+    tracker.tags = tags or {}
     extra = {f"derived.{k}": v for k, v in derived.items()} | {"model.resolved_path": model_path}
     tracker.start(cfg, extra_params=extra)
     status, final, agents, engine, scheduler = "FAILED", {}, (), None, None
@@ -170,18 +173,44 @@ async def run(cfg: DictConfig) -> dict[str, float]:
         if engine is not None:
             engine.shutdown()
         tracker.end(status)  # a run that raised is marked FAILED in MLflow, its metrics kept
+        gc.unfreeze()  # a sweep runs the next job in this process: let this one's objects go
+
+
+def sweep_job_tags(cfg: DictConfig) -> dict[str, str]:
+    """In a Hydra multirun: nest this job's MLflow run under the sweep's parent run and name
+    it by what differs between the jobs (`staleness_threshold=2`)."""
+    hc = HydraConfig.get()
+    info = read_sweep(hc.sweep.dir)
+    if info is None:
+        return {}
+    overrides = list(hc.overrides.task)
+    if cfg.logger.get("run_name") is None:
+        cfg.logger.run_name = job_run_name(info["varying"], overrides)
+    return {"mlflow.parentRunId": info["parent_run_id"], SWEEP_TAG: info["sweep_id"],
+            "rlexp.role": "job", "rlexp.job_num": str(hc.job.num),
+            "rlexp.overrides": " ".join(overrides), "rlexp.job_dir": hc.runtime.output_dir}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    tags = sweep_job_tags(cfg) if multirun else {}
     if cfg.logger.get("run_name") is None and HydraConfig.initialized():
         overrides = HydraConfig.get().overrides.task
         cfg.logger.run_name = ",".join(overrides) if overrides else "default"
     try:
-        final = asyncio.run(run(cfg))
+        final = asyncio.run(run(cfg, tags))
     except ConfigError as e:
         print(f"rlexp: config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if not multirun:
+            sys.exit(2)
+        return None  # the sweep goes on; the job's run (if any) is marked FAILED
+    except Exception:
+        if not multirun:
+            raise
+        # A failed job must not stop the sweep: its MLflow run is already marked FAILED.
+        log.exception("job %s (%s) failed", HydraConfig.get().job.num, cfg.logger.run_name)
+        return None
     return final.get("eval/accuracy")
 
 

@@ -34,6 +34,7 @@ class MlflowTracker:
         self.log_traces = log_traces
         self.traces_every_n_steps = traces_every_n_steps
         self.run_id: str | None = None
+        self.tags: dict[str, str] = {}  # e.g. the sweep's parent run and this job's number
 
     def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -41,7 +42,7 @@ class MlflowTracker:
         if client.get_experiment_by_name(self.experiment_name) is None:
             client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
         mlflow.set_experiment(self.experiment_name)
-        run = mlflow.start_run(run_name=self.run_name)
+        run = mlflow.start_run(run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
         params = flatten(OmegaConf.to_container(cfg, resolve=True)) | (extra_params or {})
         items = [(k, str(v)[:6000]) for k, v in params.items()]

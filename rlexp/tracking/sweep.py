@@ -1,0 +1,94 @@
+"""Hydra multirun <-> MLflow: one parent run per sweep, one child run per job.
+
+The Hydra callback creates (or, for a sweep dir that already has one, reuses) the parent
+run before any job starts and writes `rlexp_sweep.json` into the sweep dir; each job reads
+it to nest its run under the parent and to name itself by what differs between jobs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+SWEEP_FILE = "rlexp_sweep.json"
+SWEEP_TAG = "rlexp.sweep_id"
+SWEEP_FUNCTIONS = ("range(", "choice(", "glob(", "interval(", "tag(", "sort(", "shuffle(")
+
+
+def varying_keys(overrides: list[str], sweeper_params: dict | None) -> list[str]:
+    """Keys swept over more than one value, from the command line and `hydra.sweeper.params`."""
+    specs = [o.split("=", 1) for o in overrides if "=" in o]
+    specs += [[k, str(v)] for k, v in (sweeper_params or {}).items()]
+    out = []
+    for key, value in specs:
+        key = key.lstrip("+~")
+        if ("," in value or value.strip().startswith(SWEEP_FUNCTIONS)) and key not in out:
+            out.append(key)
+    return out
+
+
+def job_run_name(varying: list[str], job_overrides: list[str]) -> str:
+    """`staleness_threshold=2`: the job's values of the swept keys (last key component)."""
+    values = dict(o.lstrip("+~").split("=", 1) for o in job_overrides if "=" in o)
+    parts = [f"{k.rsplit('.', 1)[-1]}={values[k]}" for k in varying if k in values]
+    return ",".join(parts) or ",".join(job_overrides) or "default"
+
+
+def read_sweep(sweep_dir: str | Path) -> dict | None:
+    path = Path(sweep_dir) / SWEEP_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _client(cfg: DictConfig) -> tuple[MlflowClient, str]:
+    client = MlflowClient(tracking_uri=cfg.logger.tracking_uri)
+    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        cfg.logger.experiment_name, artifact_location=cfg.logger.get("artifact_location"))
+    return client, exp_id
+
+
+class SweepCallback(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        client, exp_id = _client(config)
+        sweep_id = str(sweep_dir)
+        info = read_sweep(sweep_dir)
+        parents = client.search_runs(
+            [exp_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`rlexp.role` = 'parent'")
+        if info is None and parents:
+            info = {"parent_run_id": parents[0].info.run_id}
+        params = config.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(params, resolve=True) if params else {}
+        varying = varying_keys(list(config.hydra.overrides.task), params)
+        if info is None:  # a new sweep
+            run = client.create_run(exp_id, run_name=f"sweep {sweep_dir.name}", tags={
+                SWEEP_TAG: sweep_id, "rlexp.role": "parent", "rlexp.swept": ",".join(varying),
+                "rlexp.overrides": " ".join(config.hydra.overrides.task)})
+            info = {"parent_run_id": run.info.run_id}
+            log.info("mlflow: sweep parent run %s", run.info.run_id)
+        else:  # a sweep dir launched again: same parent
+            client.update_run(info["parent_run_id"], status="RUNNING")
+            log.info("mlflow: reusing sweep parent run %s", info["parent_run_id"])
+        info |= {"experiment_id": exp_id, "tracking_uri": config.logger.tracking_uri,
+                 "sweep_id": sweep_id, "varying": varying}
+        (sweep_dir / SWEEP_FILE).write_text(json.dumps(info, indent=1))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        info = read_sweep(sweep_dir)
+        if info is None:
+            return
+        client = MlflowClient(tracking_uri=info["tracking_uri"])
+        children = client.search_runs([info["experiment_id"]],
+                                      f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")
+        failed = [c.info.run_name for c in children if c.info.status != "FINISHED"]
+        client.set_terminated(info["parent_run_id"], status="FAILED" if failed else "FINISHED")
+        print(f"rlexp: sweep {sweep_dir}: {len(children) - len(failed)} job(s) finished"
+              + (f", {len(failed)} failed: {', '.join(failed)}" if failed else "")
+              + f"\n  compare: python -m rlexp.compare {sweep_dir}")
