@@ -26,7 +26,7 @@ from rlexp.agents.single_turn import render_prompt
 from rlexp.config import ConfigError, validate, validate_data, validate_lengths
 from rlexp.sample import SamplingConfig, Status
 from rlexp.schedulers.sync import SyncScheduler
-from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, read_sweep
+from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, log_failed_job, read_sweep
 
 log = logging.getLogger("rlexp")
 
@@ -41,7 +41,7 @@ def was_resumed(s) -> bool:
     return any(t["mask"] and len(set(s.versions[slice(*t["span"])])) > 1 for t in s.turns)
 
 
-def rollout_metrics(batch, produce_s: float, version: int) -> dict[str, float]:
+def rollout_metrics(batch, version: int) -> dict[str, float]:
     done = [s for s in batch if s.status == Status.COMPLETED]
     staleness = Counter(s.staleness(version) for s in done)
     tokens = sum(s.response_length for s in batch)
@@ -59,7 +59,6 @@ def rollout_metrics(batch, produce_s: float, version: int) -> dict[str, float]:
         "rollout/response_length_mean": sum(s.response_length for s in done) / n,
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in done) / n,
         "rollout/tokens": float(tokens),
-        "throughput/rollout_tokens_per_s": tokens / max(produce_s, 1e-9),
         **{f"samples/{st.value}": float(counts.get(st.value, 0)) for st in Status},
         "samples/resumed": float(sum(was_resumed(s) for s in done)),
         "rollout/staleness_mean": sum(k * n for k, n in staleness.items()) / n,
@@ -94,13 +93,17 @@ async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
     t2 = time.time()
     await scheduler.sync_weights(trainer, engine)
     t3 = time.time()
-    metrics = rollout_metrics(batch, t1 - t0, version) | train_metrics
+    busy = engine.busy.busy_s - busy0
+    metrics = rollout_metrics(batch, version) | train_metrics
     for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
         metrics[k] = metrics.get(k, 0.0) + v
     return metrics | {
         "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
         "timing/step_s": t3 - t0, "rollout/policy_version": float(version),
-        "rollout/engine_idle_frac": 1.0 - (engine.busy.busy_s - busy0) / (t3 - t0),
+        "rollout/engine_idle_frac": 1.0 - busy / (t3 - t0),
+        # Generation speed while the engine had work, and end-to-end: trained tokens per second.
+        "throughput/rollout_tokens_per_s": metrics["rollout/tokens"] / max(busy, 1e-9),
+        "throughput/train_tokens_per_s": metrics["rollout/tokens"] / (t3 - t0),
         "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0), "batch": batch}
 
 
@@ -204,7 +207,9 @@ def main(cfg: DictConfig) -> float | None:
         print(f"rlexp: config error: {e}", file=sys.stderr)
         if not multirun:
             sys.exit(2)
-        return None  # the sweep goes on; the job's run (if any) is marked FAILED
+        if tags:
+            log_failed_job(cfg, tags, e)  # failed before its MLflow run started
+        return None  # the sweep goes on
     except Exception:
         if not multirun:
             raise

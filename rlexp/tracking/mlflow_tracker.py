@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import random
 from typing import Any
 
 import mlflow
@@ -26,13 +28,14 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment_name: str, artifact_location: str | None = None,
                  run_name: str | None = None, log_traces: bool = True,
-                 traces_every_n_steps: int = 1):
+                 traces_every_n_steps: int = 1, trace_sample_rate: float = 0.0):
         self.tracking_uri = tracking_uri
         self.experiment_name = experiment_name
         self.artifact_location = artifact_location
         self.run_name = run_name
         self.log_traces = log_traces
         self.traces_every_n_steps = traces_every_n_steps
+        self.trace_sample_rate = trace_sample_rate
         self.run_id: str | None = None
         self.tags: dict[str, str] = {}  # e.g. the sweep's parent run and this job's number
 
@@ -61,12 +64,51 @@ class MlflowTracker:
             return
         lines = "\n".join(json.dumps(s.to_trace(decode)) for s in samples)
         mlflow.log_text(lines + "\n", f"{name}/step_{step:05d}.jsonl")
+        if name == "traces" and self.trace_sample_rate > 0:
+            rng = random.Random(step)  # the same samples are picked on a rerun
+            for s in samples:
+                if rng.random() < self.trace_sample_rate:
+                    log_mlflow_trace(s, step)
 
     def end(self, status: str = "FINISHED") -> None:
         if self.run_id is not None:
             mlflow.flush_async_logging()
+            mlflow.flush_trace_async_logging()
             mlflow.end_run(status=status)
             self.run_id = None
+
+
+@contextlib.contextmanager
+def _own_random():
+    """OpenTelemetry draws trace and span ids from the global `random`, which every run seeds
+    the same way: ids would repeat across runs (one run's traces overwriting another's in
+    the store), and tracing would shift the run's own random stream. Give it fresh entropy
+    and put the run's state back."""
+    state = random.getstate()
+    random.seed()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+def log_mlflow_trace(s, step: int) -> None:
+    """One trajectory as an MLflow trace linked to the active run (Traces tab of the run):
+    the prompt in, the response and reward out, one child span per turn."""
+    with _own_random(), mlflow.start_span(name=f"trajectory step {step}", span_type="AGENT") as root:
+        root.set_inputs({"messages": s.prompt, "answer": s.answer})
+        root.set_attributes({"rlexp.step": step, "rlexp.uid": s.uid, "rlexp.group_id": s.group_id,
+                             "rlexp.status": s.status.value, "rlexp.reward": s.reward,
+                             "rlexp.finish_reason": s.finish_reason,
+                             "rlexp.policy_version": s.oldest_version})
+        for i, turn in enumerate(s.turns):
+            kind = "LLM" if turn.get("mask") else "TOOL" if turn.get("role") == "tool" else "UNKNOWN"
+            with mlflow.start_span(name=f"turn {i}: {turn.get('role', '')}", span_type=kind) as span:
+                span.set_outputs({"text": turn.get("text", "")})
+                span.set_attributes({"rlexp.span": list(turn.get("span", [])),
+                                     "rlexp.trained": turn.get("mask", 0)})
+        root.set_outputs({"response": s.response_text, "reward": s.reward,
+                          "reward_components": s.reward_components})
 
 
 def sqlite_uri(path: str) -> str:

@@ -92,3 +92,14 @@ class SweepCallback(Callback):
         print(f"rlexp: sweep {sweep_dir}: {len(children) - len(failed)} job(s) finished"
               + (f", {len(failed)} failed: {', '.join(failed)}" if failed else "")
               + f"\n  compare: python -m rlexp.compare {sweep_dir}")
+        if failed:
+            raise SystemExit(1)  # every job ran; the sweep as a whole did not succeed
+
+
+def log_failed_job(cfg: DictConfig, tags: dict[str, str], error: BaseException) -> None:
+    """A job that failed before its MLflow run started (e.g. a config error) still gets a
+    FAILED child run, so the sweep's table shows it."""
+    client, exp_id = _client(cfg)
+    run = client.create_run(exp_id, run_name=cfg.logger.get("run_name"),
+                            tags=tags | {"rlexp.error": str(error)[:4000]})
+    client.set_terminated(run.info.run_id, status="FAILED")

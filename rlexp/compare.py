@@ -1,0 +1,143 @@
+"""Compare the jobs of a sweep: a table and plots, also logged to the sweep's parent run.
+
+    python -m rlexp.compare sweeps/<sweep dir>            # or a parent run id
+    python -m rlexp.compare <...> --tracking-uri sqlite:////abs/path/mlflow.db
+
+The tracking URI comes from the flag, else MLFLOW_TRACKING_URI, else the sweep dir's
+rlexp_sweep.json (written when the sweep started). Writes compare.md, compare.csv and
+PNG plots (eval accuracy and training reward against step and against wall-clock time,
+one line per job) into the sweep dir."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from rlexp.tracking.sweep import SWEEP_TAG, read_sweep
+
+COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollout_tok_s",
+           "train_tok_s", "staleness_mean", "staleness_max"]
+
+
+def find_sweep(target: str, tracking_uri: str | None) -> tuple[MlflowClient, str, Path | None]:
+    """(client, parent run id, sweep dir) from a sweep dir or a parent run id."""
+    info = read_sweep(target) if Path(target).is_dir() else None
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (info or {}).get("tracking_uri")
+    if uri is None:
+        sys.exit(f"rlexp.compare: no tracking URI: {target} has no rlexp_sweep.json; "
+                 "pass --tracking-uri or set MLFLOW_TRACKING_URI")
+    client = MlflowClient(tracking_uri=uri)
+    if info is not None:
+        return client, info["parent_run_id"], Path(target)
+    if Path(target).exists():
+        sys.exit(f"rlexp.compare: {target} is not a sweep dir (no rlexp_sweep.json)")
+    parent = client.get_run(target)
+    sweep_dir = parent.data.tags.get(SWEEP_TAG)
+    return client, target, Path(sweep_dir) if sweep_dir and Path(sweep_dir).is_dir() else None
+
+
+def history(client, run_id: str, key: str) -> list:
+    return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+
+def summarize(client, run) -> dict:
+    rid = run.info.run_id
+
+    def values(key):
+        return [m.value for m in history(client, rid, key)]
+
+    evals, stale = values("eval/accuracy"), values("rollout/staleness_mean")
+    tok_s, train_tok_s = values("throughput/rollout_tokens_per_s"), values("throughput/train_tokens_per_s")
+    end = run.info.end_time or run.info.start_time
+    return {
+        "job": int(run.data.tags.get("rlexp.job_num", -1)), "run": run.info.run_name,
+        "status": run.info.status,
+        "eval_final": evals[-1] if evals else float("nan"), "eval_best": max(evals, default=float("nan")),
+        "wall_min": (end - run.info.start_time) / 60000,
+        "rollout_tok_s": sum(tok_s) / len(tok_s) if tok_s else float("nan"),
+        "train_tok_s": sum(train_tok_s) / len(train_tok_s) if train_tok_s else float("nan"),
+        "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+        "staleness_max": max(values("rollout/staleness_max"), default=0.0),
+    }
+
+
+def plot(client, runs, key: str, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        hist = history(client, run.info.run_id, key)
+        if not hist:
+            continue
+        t0 = run.info.start_time
+        axes[0].plot([m.step for m in hist], [m.value for m in hist], marker=".", label=run.info.run_name)
+        axes[1].plot([(m.timestamp - t0) / 60000 for m in hist], [m.value for m in hist], marker=".",
+                     label=run.info.run_name)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall-clock (minutes since the job started)")
+    for ax in axes:
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(key)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def table_markdown(rows: list[dict]) -> str:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = None) -> Path:
+    client, parent_id, sweep_dir = find_sweep(target, tracking_uri)
+    parent = client.get_run(parent_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    if not runs:
+        sys.exit(f"rlexp.compare: the sweep's parent run {parent_id} has no child runs yet")
+    runs.sort(key=lambda r: (int(r.data.tags.get("rlexp.job_num", 0)), r.info.start_time))
+    rows = [summarize(client, r) for r in runs]
+    out = Path(out_dir or sweep_dir or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    md = table_markdown(rows)
+    (out / "compare.md").write_text(md)
+    with open(out / "compare.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    files = [out / "compare.md", out / "compare.csv"]
+    for key in ("eval/accuracy", "rollout/reward_mean"):
+        files.append(plot(client, runs, key, out / f"compare_{key.replace('/', '_')}.png"))
+    for f in files:
+        client.log_artifact(parent_id, str(f), artifact_path="compare")
+    print(md)
+    print("wrote " + ", ".join(str(f) for f in files) + f"; logged to parent run {parent_id}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rlexp.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="a sweep dir (sweeps/...) or the sweep's parent run id")
+    ap.add_argument("--tracking-uri", default=None)
+    ap.add_argument("--out", default=None, help="where to write the files (default: the sweep dir)")
+    args = ap.parse_args(argv)
+    compare(args.target, args.tracking_uri, args.out)
+
+
+if __name__ == "__main__":
+    main()
