@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
+import rlexp.config  # noqa: F401  (registers the config resolvers)
 from rlexp.tracking.sweep import SweepCallback, job_run_name, varying_keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,9 +118,9 @@ def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
 
     uri = f"sqlite:///{tmp_path}/m.db"
     for _ in range(2):
-        random.seed(0)
         tracker = MlflowTracker(uri, "t", trace_sample_rate=1.0)
         tracker.start(OmegaConf.create({"seed": 0}))
+        random.seed(0)
         s = Sample(group_id=0, prompt=[{"role": "user", "content": "1+1="}], answer="2",
                    response_text="2", reward=1.0, status=Status.COMPLETED,
                    turns=[{"role": "assistant", "text": "2", "span": [0, 1], "mask": 1}])
