@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint ui bench clean
+.PHONY: install run test lint browser ui bench clean
 
 $(STAMP): scripts/install.sh pyproject.toml
 	bash scripts/install.sh
@@ -18,10 +18,14 @@ run: $(STAMP)
 	$(PY) -m rlexp.run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rlexp tests bench
+	$(VENV)/bin/ruff check rlexp tests bench scripts
 
-test: lint
+test: lint browser
 	$(PY) -m pytest
+
+# Headless Chromium for the MLflow UI test; best effort: without it that test is skipped.
+browser:
+	-bash scripts/install_chromium.sh || echo "chromium not installed: the MLflow UI browser test will be skipped"
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port 5000

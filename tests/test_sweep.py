@@ -3,6 +3,7 @@ MLflow traces, against a real MLflow store."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,25 @@ def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("t")
     assert len(client.search_traces(locations=[exp.experiment_id])) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (scripts/install_chromium.sh)")
+def test_mlflow_ui_in_a_real_browser_lists_the_child_runs(tmp_path):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"logger.tracking_uri=sqlite:///{tmp_path}/m.db",
+                                           f"hydra.sweep.dir={tmp_path}/sweep", "logger.experiment_name=ui"],
+                      return_hydra_config=True)
+    SweepCallback().on_multirun_start(cfg)
+    info = json.loads((tmp_path / "sweep" / "rlexp_sweep.json").read_text())
+    client = MlflowClient(tracking_uri=info["tracking_uri"])
+    for k in (0, 1, 2, 4):
+        run = client.create_run(info["experiment_id"], run_name=f"staleness_threshold={k}",
+                                tags={"mlflow.parentRunId": info["parent_run_id"], "rlexp.role": "job"})
+        client.set_terminated(run.info.run_id)
+    shot = tmp_path / "ui.png"
+    cmd = [sys.executable, "scripts/ui_check.py", str(tmp_path / "sweep"), "--screenshot", str(shot)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert "4/4 child runs shown" in res.stdout
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
