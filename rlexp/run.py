@@ -83,7 +83,7 @@ async def evaluate(step, agent, tokenizer, eval_data, evaluator, tracker) -> dic
 async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
     """produce -> fit -> sync. Returns the step's metrics, and the batch under "batch".
     Under the async scheduler, rollout goes on in the background during fit."""
-    t0, busy0 = time.time(), engine.busy.busy_s
+    t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
     version = engine.version  # the policy version this step trains
     batch = await scheduler.produce_batch(data, agent)
     t1 = time.time()
@@ -93,17 +93,17 @@ async def rl_step(scheduler, data, agent, engine, trainer) -> dict:
     t2 = time.time()
     await scheduler.sync_weights(trainer, engine)
     t3 = time.time()
-    busy = engine.busy.busy_s - busy0
+    busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
     metrics = rollout_metrics(batch, version) | train_metrics
+    if busy > 0.01:  # generation speed while the engine had work (this step's window)
+        metrics["throughput/rollout_tokens_per_s"] = generated / busy
     for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
         metrics[k] = metrics.get(k, 0.0) + v
     return metrics | {
         "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
         "timing/step_s": t3 - t0, "rollout/policy_version": float(version),
         "rollout/engine_idle_frac": 1.0 - busy / (t3 - t0),
-        # Generation speed while the engine had work, and end-to-end: trained tokens per second.
-        "throughput/rollout_tokens_per_s": metrics["rollout/tokens"] / max(busy, 1e-9),
-        "throughput/train_tokens_per_s": metrics["rollout/tokens"] / (t3 - t0),
+        "throughput/train_tokens_per_s": metrics["rollout/tokens"] / (t3 - t0),  # end to end
         "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0), "batch": batch}
 
 

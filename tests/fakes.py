@@ -69,6 +69,7 @@ class TimedEngine:
                     ids.append(7)
                     versions.append(self.version)
                     count_generated(1)
+                    self.busy.tokens += 1
             finally:
                 self.busy.exit()
         finish = "stop" if n < sampling.max_tokens else "length"

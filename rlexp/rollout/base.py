@@ -71,9 +71,11 @@ def count_generated(n: int) -> None:
 
 
 class BusyMeter:
-    """Seconds during which at least one request was being generated (engine busy time)."""
+    """Seconds during which at least one request was being generated (engine busy time),
+    and the tokens generated (the engine adds them)."""
 
     def __init__(self):
+        self.tokens = 0
         self.active = 0
         self._busy = 0.0
         self._since = 0.0

@@ -53,6 +53,7 @@ class HFEngine:
             self._worker = asyncio.create_task(self._drain())
         gen = await fut
         count_generated(len(gen.token_ids))
+        self.busy.tokens += len(gen.token_ids)
         return gen
 
     async def _drain(self) -> None:

@@ -144,6 +144,7 @@ class VLLMEngine:
             if final is not None:
                 counted = len(final.outputs[0].token_ids)
             count_generated(counted)
+            self.busy.tokens += counted
         assert final is not None
         completion = final.outputs[0]
         ids = list(completion.token_ids)
