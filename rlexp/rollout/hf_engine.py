@@ -121,8 +121,8 @@ class HFEngine:
         """Waits for the batch being generated: `generate` cannot be cut short, so partial
         rollout (interrupt=True) degrades to waiting here."""
         self._running.clear()
-        async with self._lock:
-            pass
+        await self._lock.acquire()  # held while a batch generates: returns once it is done
+        self._lock.release()
 
     async def resume(self) -> None:
         self._running.set()

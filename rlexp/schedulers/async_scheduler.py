@@ -91,6 +91,8 @@ class AsyncScheduler(SyncScheduler):
             if self._producer.done():
                 self._producer.result()  # re-raise what stopped it
                 raise RuntimeError("the rollout producer stopped")
+            # Here too, not only in the producer: right after a weight sync the producer may
+            # not have run yet, and the batch must not take groups the new version expired.
             self._bookkeep()
             tails_in_flight = any(r.tail and not r.cancelled for r in self._running)
             if not tails_in_flight and len(self._accepted) >= self._batch_groups:

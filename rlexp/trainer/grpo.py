@@ -113,6 +113,7 @@ class GRPOTrainer:
         behav = old if behav is None else behav
         idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
         stats: dict[str, list[float]] = {}
+        offpolicy: dict[int, list[float]] = {}  # staleness -> [tokens, sum of ratios, sum of k3]
         n_mb = min(self.minibatches_per_step, max(len(idx), 1))
         for m in range(n_mb):
             part = idx[m::n_mb]
@@ -120,14 +121,14 @@ class GRPOTrainer:
                 continue
             self._train_minibatch([batch[i] for i in part], [old[i] for i in part],
                                   adv[part], None if ref is None else [ref[i] for i in part],
-                                  stats, first=m == 0, update=update, behav=[behav[i] for i in part])
-        out = {k: sum(v) / len(v) for k, v in stats.items() if not k.startswith("_")}
+                                  stats, first=m == 0, update=update, behav=[behav[i] for i in part],
+                                  offpolicy=offpolicy)
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
         # Trainer vs rollout, by staleness, measured before the first optimizer step.
-        for k in sorted({int(key.rsplit("_", 1)[1]) for key in stats if key.startswith("_tokens_")}):
-            n = stats[f"_tokens_{k}"][0]
+        for k, (n, ratio_sum, kl_sum) in sorted(offpolicy.items()):
             out[f"offpolicy/tokens/staleness_{k}"] = n
-            out[f"offpolicy/ratio_mean/staleness_{k}"] = stats[f"_ratio_{k}"][0] / n
-            out[f"offpolicy/mismatch_kl/staleness_{k}"] = stats[f"_kl_{k}"][0] / n
+            out[f"offpolicy/ratio_mean/staleness_{k}"] = ratio_sum / n
+            out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
         return out
 
     def fit(self, batch: list[Sample]) -> dict[str, float]:
@@ -187,7 +188,7 @@ class GRPOTrainer:
         return out
 
     def _train_minibatch(self, samples, old, adv, ref, stats, first: bool, update: bool = True,
-                         behav=None) -> None:
+                         behav=None, offpolicy=None) -> None:
         n_tokens = sum(s.response_length for s in samples)
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
@@ -199,7 +200,6 @@ class GRPOTrainer:
         # Samples built by hand may carry no versions: count them as on-policy.
         stale = [torch.tensor([self.version - v for v in s.versions] if s.versions else [0] * len(s.tokens))
                  for s in samples]
-        by_staleness: dict[str, float] = {}
         for row in self._rows(samples):
             logp, ent = self._row_forward(self.model, row, samples, entropy=True)
             members = row.members
@@ -210,11 +210,13 @@ class GRPOTrainer:
             mask, old_lp, behav_lp = cat(masks), cat(old), cat(behav)
             if self.correction == "tis":
                 pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, cat(advs), self.is_cap)
-                weight = torch.clamp(ratio, max=self.is_cap)
+                weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
             else:
                 pg, ratio, clipped = clipped_pg_loss(logp, old_lp, cat(advs), low, high)
             if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
-                weight = torch.exp(old_lp - behav_lp).clamp(max=self.is_cap)  # reweighted to it
+                behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
+                weight = behav_weight.clamp(max=self.is_cap)
+                truncated = (behav_weight > self.is_cap).float()
                 pg = pg * weight
             loss_tok = pg - self.entropy_coef * ent
             kl = k3_kl(logp, cat(ref)) if ref is not None else None
@@ -234,22 +236,16 @@ class GRPOTrainer:
             acc["ratio_max"] = max(acc["ratio_max"], (ratio * mask).max().item())
             if kl is not None:
                 acc["kl"] += masked_mean(kl)
-            # Before the first optimizer step the trainer holds the rollout policy, so this
-            # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if self.correction != "none":
                 acc["is_weight_mean"] += masked_mean(weight)
                 acc["is_weight_max"] = max(acc["is_weight_max"], (weight * mask).max().item())
-                acc["is_truncated_frac"] += masked_mean(weight < torch.exp(old_lp - behav_lp)
-                                                        if self.correction == "decoupled" else clipped)
+                acc["is_truncated_frac"] += masked_mean(truncated)
+            # Before the first optimizer step the trainer holds the rollout policy, so this
+            # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if first:
                 acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
-                behav_ratio, behav_kl = torch.exp(logp - behav_lp).detach(), k3_kl(logp, behav_lp)
-                st = cat(stale)
-                for k in st[mask.bool()].unique().tolist():
-                    sel = (st == k) & mask.bool()
-                    for name, x in (("tokens", sel.float()), ("ratio", behav_ratio), ("kl", behav_kl)):
-                        key = f"_{name}_{k}"
-                        by_staleness[key] = by_staleness.get(key, 0.0) + x.detach()[sel].sum().item()
+                if offpolicy is not None:
+                    self._offpolicy_by_staleness(offpolicy, logp.detach(), behav_lp, cat(stale), mask.bool())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if update:
             self.optimizer.step()
@@ -262,5 +258,14 @@ class GRPOTrainer:
             del acc["mismatch_kl"]
         for k, v in acc.items():
             stats.setdefault(f"train/{k}", []).append(v)
-        for k, v in by_staleness.items():
-            stats.setdefault(k, []).append(v)
+
+    @staticmethod
+    def _offpolicy_by_staleness(acc: dict[int, list[float]], logp, behav_lp, staleness, mask) -> None:
+        """Per staleness value: token count, sum of pi/pi_behav, sum of k3 KL between them."""
+        ratio, kl = torch.exp(logp - behav_lp), k3_kl(logp, behav_lp)
+        for k in staleness[mask].unique().tolist():
+            sel = (staleness == k) & mask
+            totals = acc.setdefault(k, [0.0, 0.0, 0.0])
+            totals[0] += sel.sum().item()
+            totals[1] += ratio[sel].sum().item()
+            totals[2] += kl[sel].sum().item()
