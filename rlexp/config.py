@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +26,38 @@ OmegaConf.register_new_resolver("rlexp.job_dirname", _job_dirname, replace=True)
 
 class ConfigError(ValueError):
     """A bad config value, reported as one line before anything expensive starts."""
+
+
+RUN_CONFIG = "rlexp_config.yaml"  # a run's resolved config, in its run dir: what `resume=` reads
+
+
+def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[DictConfig, Path, Path]:
+    """`resume=<run dir>` or `resume=latest` (the run under `search_dir` checkpointed last):
+    that run's saved config, its dir, and its newest checkpoint. Other `key=value` overrides
+    on the command line apply on top (e.g. `trainer.total_steps=600` to extend a run, or a
+    fixed judge setting); switching a config group is refused."""
+    from rlexp.checkpoint import CheckpointError, latest_checkpoint, latest_run_dir
+
+    try:
+        run_dir = latest_run_dir(search_dir) if resume == "latest" else Path(resume)
+        if not (run_dir / RUN_CONFIG).is_file():
+            raise ConfigError(f"resume={resume}: {run_dir / RUN_CONFIG} not found (not an rlexp run dir?)")
+        ckpt = latest_checkpoint(run_dir)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    cfg = OmegaConf.load(run_dir / RUN_CONFIG)
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key == "resume" or key.startswith("hydra."):
+            continue
+        current = OmegaConf.select(cfg, key, default="__missing__")
+        if current == "__missing__" or isinstance(current, DictConfig):
+            what = "is not a key of" if current == "__missing__" else "switches a config group of"
+            raise ConfigError(f"{override}: {what} the resumed run ({run_dir / RUN_CONFIG}); "
+                              "only key=value overrides of existing keys apply when resuming")
+        OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key))
+    cfg.resume = str(run_dir)
+    return cfg, run_dir, ckpt
 
 
 def _get(cfg: DictConfig, key: str):
@@ -59,6 +92,7 @@ def _choice(cfg, key: str, choices: tuple[str, ...]) -> None:
 
 def validate(cfg: DictConfig) -> dict[str, int]:
     """Raise ConfigError naming the first bad key; return derived sizes for logging."""
+    _check_targets(cfg)
     _int(cfg, "seed", 0)
     steps = _int(cfg, "trainer.total_steps", 1)
     prompts = _int(cfg, "data.prompts_per_step", 1)
@@ -77,7 +111,18 @@ def validate(cfg: DictConfig) -> dict[str, int]:
     _float(cfg, "evaluator.temperature", 0.0)
     if _get(cfg, "evaluator.prompts") is not None:
         _int(cfg, "evaluator.prompts", 1)
-    _int(cfg, "trainer.minibatches_per_step", 1)
+    minibatches = _int(cfg, "trainer.minibatches_per_step", 1)
+    if (prompts * per_prompt) % minibatches:
+        raise ConfigError(f"trainer.minibatches_per_step={minibatches} must divide the samples of a step "
+                          f"(data.prompts_per_step * data.samples_per_prompt = {prompts * per_prompt})")
+    _int(cfg, "checkpoint.every_n_steps", 0)
+    _int(cfg, "checkpoint.keep_last", 0)
+    for key in ("agent.timeout_s", "judge.timeout_s"):
+        if OmegaConf.select(cfg, key) is not None:
+            _float(cfg, key, 0.0, strict=True)
+    failure_limit = _float(cfg, "scheduler.max_failure_fraction", 0.0)
+    if failure_limit > 1:
+        raise ConfigError(f"scheduler.max_failure_fraction must be <= 1, got {failure_limit}")
     _int(cfg, "trainer.micro_batch_tokens", 1)
     _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
     _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
@@ -89,6 +134,23 @@ def validate(cfg: DictConfig) -> dict[str, int]:
     if OmegaConf.select(cfg, "trainer.is_cap") is not None:
         _float(cfg, "trainer.is_cap", 1.0)
     return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
+
+
+def _check_targets(cfg: DictConfig, path: str = "") -> None:
+    """Every `_target_` must import, so a typo fails here, not after the engine started."""
+    from hydra.utils import get_object
+
+    for key, value in cfg.items_ex(resolve=False) if isinstance(cfg, DictConfig) else ():
+        where = f"{path}{key}"
+        if key == "_target_":
+            try:
+                get_object(value)
+            except Exception as e:
+                cause = e.__cause__ or e
+                raise ConfigError(f"{where}: cannot import {value!r} "
+                                  f"({type(cause).__name__}: {cause})") from None
+        elif isinstance(value, DictConfig):
+            _check_targets(value, where + ".")
 
 
 def _check_agent(cfg: DictConfig) -> None:
@@ -138,9 +200,15 @@ def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:
         raise ConfigError("the eval split is empty; set data.eval_size or data.eval_path")
 
 
-def validate_lengths(cfg: DictConfig, longest_prompt: int, where: str) -> None:
-    need = longest_prompt + cfg.rollout.max_response_tokens
-    if need > cfg.rollout.max_model_len:
-        raise ConfigError(f"rollout.max_model_len={cfg.rollout.max_model_len} is too short: the "
-                          f"longest prompt ({where}) has {longest_prompt} tokens + "
-                          f"rollout.max_response_tokens={cfg.rollout.max_response_tokens}")
+def validate_lengths(cfg: DictConfig, prompts: list[tuple[int, str]], split: str) -> None:
+    """Every prompt of a split, as (chat-templated length, where it comes from), must leave
+    room for a full response."""
+    room = cfg.rollout.max_model_len - cfg.rollout.max_response_tokens
+    too_long = [(n, where) for n, where in prompts if n > room]
+    if too_long:
+        n, where = max(too_long)
+        raise ConfigError(f"{len(too_long)} prompt(s) of the {split} split do not fit in "
+                          f"rollout.max_model_len={cfg.rollout.max_model_len} with "
+                          f"rollout.max_response_tokens={cfg.rollout.max_response_tokens} (first: "
+                          f"{too_long[0][1]}); the longest ({where}) has {n} tokens. Raise "
+                          f"max_model_len or drop those rows")

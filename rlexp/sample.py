@@ -47,6 +47,19 @@ class Generation:
 _uids = itertools.count()
 
 
+def uid_counter() -> int:
+    """The next Sample uid; a resumed run continues the numbering (uids stay unique per run)."""
+    global _uids
+    n = next(_uids)
+    _uids = itertools.count(n)
+    return n
+
+
+def set_uid_counter(n: int) -> None:
+    global _uids
+    _uids = itertools.count(n)
+
+
 @dataclass
 class Sample:
     """One trajectory. `tokens` is the full sequence (prompt + response); `loss_mask`,
@@ -78,6 +91,11 @@ class Sample:
         policy = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(policy) if policy else -1
 
+    @property
+    def error(self) -> str | None:
+        """Why this sample failed or was cut off (an agent or judge fault), if it did."""
+        return self.metadata.get("error")
+
     def staleness(self, trained_version: int) -> int:
         """THE definition of staleness: the number of policy versions between the version that
         generated this sample's oldest trained token and the version being trained."""
@@ -101,5 +119,6 @@ class Sample:
             "logprobs": [round(x, 6) for x in self.logprobs],
             "versions": self.versions,
             "turns": self.turns,
+            "error": self.error,
             "text": decode(self.tokens),
         }

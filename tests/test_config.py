@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 
 import rlexp.config  # noqa: F401  (registers resolvers)
 from rlexp.config import ConfigError, validate
+from rlexp.faults import JudgeGuard
+from rlexp.run import build_guarded
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -47,8 +49,8 @@ def test_every_option_composes_and_validates(group, option):
 @pytest.mark.parametrize("group", ["judge", "scheduler", "evaluator", "data"])
 def test_cheap_groups_instantiate(group):
     cfg = _compose([])
-    obj = instantiate(cfg[group])
-    assert type(obj).__module__.startswith("rlexp.")
+    obj = build_guarded(cfg, group, JudgeGuard) if group == "judge" else instantiate(cfg[group])
+    assert type(getattr(obj, "judge", obj)).__module__.startswith("rlexp.")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -70,6 +72,15 @@ def test_cheap_groups_instantiate(group):
      "tail_batch_trigger_size=99 must be <= data.prompts_per_step=32"),
     ("scheduler=async rollout.enable_sleep_mode=true", "use scheduler=sync with it"),
     ("trainer.off_policy_correction=vtrace", "trainer.off_policy_correction must be one of none"),
+    ("agent._target_=rlexp.agents.nope.Agent", "agent._target_: cannot import 'rlexp.agents.nope.Agent'"),
+    ("judge._target_=rlexp.judges.math_exact.Nope", "judge._target_: cannot import"),
+    ("trainer.optimizer._target_=torch.optim.Adamw", "trainer.optimizer._target_: cannot import"),
+    ("data.prompts_per_step=4 data.samples_per_prompt=4 trainer.minibatches_per_step=3",
+     "minibatches_per_step=3 must divide the samples of a step"),
+    ("agent.timeout_s=0", "agent.timeout_s must be > 0"),
+    ("judge.timeout_s=-1", "judge.timeout_s must be > 0"),
+    ("scheduler.max_failure_fraction=1.5", "scheduler.max_failure_fraction must be <= 1"),
+    ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
 ])
 def test_validate_names_the_bad_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -87,7 +98,11 @@ def _run(*overrides, timeout=120):
     (["data.prompts_per_step=100000"], "data.prompts_per_step=100000 cannot be filled"),
     (["data=jsonl", "data.source.train_path=/nonexistent/train.jsonl"],
      "/nonexistent/train.jsonl: data file not found"),
-    (["rollout.max_model_len=20", "model.warm_start_steps=0"], "rollout.max_model_len=20 is too short"),
+    (["rollout.max_model_len=20", "model.warm_start_steps=0"],
+     "prompt(s) of the train split do not fit in rollout.max_model_len=20"),
+    (["evaluator.prompts=500"], "evaluator.prompts=500 is more than the eval split has (200)"),
+    (["rollout._target_=rlexp.rollout.nope.Engine"], "rollout._target_: cannot import"),
+    (["resume=/nonexistent/run"], "resume=/nonexistent/run: /nonexistent/run/rlexp_config.yaml not found"),
 ])
 def test_bad_config_fails_fast_with_one_line(overrides, message, tmp_path):
     res = _run(*overrides, f"logger.tracking_uri=sqlite:///{tmp_path}/m.db")

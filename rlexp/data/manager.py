@@ -71,6 +71,20 @@ class DataManager:
             batch.extend(self._buffer.popleft())
         return batch
 
+    def state_dict(self) -> dict:
+        """The position in the data (shuffle state, epoch order, next group id) and the buffer."""
+        return {"rng": self._rng.getstate(), "order": list(self._order), "next_group": self._next_group,
+                "buffer": list(self._buffer), "n_problems": len(self.problems)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["n_problems"] != len(self.problems):
+            raise ValueError(f"the {self.split} split has {len(self.problems)} prompts, the checkpoint "
+                             f"was taken with {state['n_problems']}: the dataset changed")
+        self._rng.setstate(state["rng"])
+        self._order = list(state["order"])
+        self._next_group = state["next_group"]
+        self._buffer = deque(state["buffer"])
+
     @property
     def buffered_groups(self) -> int:
         return len(self._buffer)

@@ -17,6 +17,7 @@ from rlexp.data import arithmetic
 class Problem:
     messages: list[dict[str, str]]
     answer: str
+    where: str = ""  # file:line, for error messages
 
 
 def _messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
@@ -96,4 +97,4 @@ class JsonlSource:
                 raise ValueError(f"{where}: answer {answer[-40:]!r} does not match "
                                  f"answer_pattern {self.pattern.pattern!r}")
             answer = m.group(1).strip()
-        return Problem(_messages(question, self.system_prompt), answer)
+        return Problem(_messages(question, self.system_prompt), answer, where)

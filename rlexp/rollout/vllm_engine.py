@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rlexp.faults import EngineDead
+from rlexp.rollout import reaper
 from rlexp.rollout.base import BusyMeter, count_generated, save_state_dict
 from rlexp.sample import Generation, SamplingConfig
 
@@ -69,7 +72,9 @@ class VLLMEngine:
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         t0 = time.time()
+        before = reaper.snapshot()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._reaper = reaper.start(before)
         log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
@@ -131,14 +136,15 @@ class VLLMEngine:
         final, counted, version = None, 0, self.version
         self.busy.enter()
         try:
-            async for out in self.llm.generate(
-                {"prompt_token_ids": token_ids}, params, request_id=f"r{next(self._ids)}"
-            ):
-                if final is None:
-                    # Read at the first output, not at submission: a request that reached the
-                    # engine while it was paused runs after the update, on the new weights.
-                    version = self.version
-                final = out
+            with self._engine_alive():
+                async for out in self.llm.generate(
+                    {"prompt_token_ids": token_ids}, params, request_id=f"r{next(self._ids)}"
+                ):
+                    if final is None:
+                        # Read at the first output, not at submission: a request that reached the
+                        # engine while it was paused runs after the update, on the new weights.
+                        version = self.version
+                    final = out
         finally:  # also on cancellation: the tokens were generated all the same
             self.busy.exit()
             if final is not None:
@@ -151,19 +157,34 @@ class VLLMEngine:
         logprobs = [step[tid].logprob for tid, step in zip(ids, completion.logprobs or [])]
         return ids, logprobs, completion.finish_reason or "abort", version
 
+    @contextlib.contextmanager
+    def _engine_alive(self):
+        """vLLM's EngineDeadError (its engine process died: killed, out of memory, ...) as
+        rlexp's EngineDead, which stops the run instead of failing samples one by one."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            yield
+        except EngineDeadError as e:
+            raise EngineDead("the vLLM engine process died (killed, out of memory, or crashed; its "
+                             "log is above): every request would fail") from e
+
     async def pause(self, interrupt: bool) -> None:
         self._running.clear()
         self._interrupts += interrupt
-        await self.llm.pause_generation(mode="abort" if interrupt else "wait")
+        with self._engine_alive():
+            await self.llm.pause_generation(mode="abort" if interrupt else "wait")
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        with self._engine_alive():
+            await self.llm.resume_generation()
         self._running.set()
 
     async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         save_state_dict(state_dict, self._weights_dir)
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
-        await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        with self._engine_alive():
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+            await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.version += 1
 
     async def sleep(self) -> None:
@@ -177,7 +198,10 @@ class VLLMEngine:
     def shutdown(self) -> None:
         if self.llm is None:
             return
-        self.llm.shutdown()
+        try:
+            self.llm.shutdown()
+        finally:
+            reaper.stop(self._reaper)
         # Drop the engine now: its destructor calls shutdown again, which fails noisily
         # (TypeError) when it only runs during interpreter exit.
         self.llm = None

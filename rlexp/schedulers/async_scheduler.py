@@ -61,8 +61,9 @@ class AsyncScheduler(SyncScheduler):
 
     def __init__(self, staleness_threshold: int = 1, enable_partial_rollout: bool = True,
                  tail_batch_candidate_step: int = 0, tail_batch_trigger_size: int = 0,
-                 over_sample_groups: int = 0, filter_zero_variance: bool = False):
-        super().__init__(filter_zero_variance)
+                 over_sample_groups: int = 0, filter_zero_variance: bool = False,
+                 max_failure_fraction: float = 0.5):
+        super().__init__(filter_zero_variance, max_failure_fraction=max_failure_fraction)
         self.staleness_threshold = staleness_threshold
         self.enable_partial_rollout = enable_partial_rollout
         self.tail_candidate_step = tail_batch_candidate_step
@@ -76,6 +77,7 @@ class AsyncScheduler(SyncScheduler):
         self._launched = 0
         self._trained_groups = 0
         self._syncing = False
+        self._restored: list[GroupRun] = []  # in flight at the checkpoint: relaunched on resume
         self._producer: asyncio.Task | None = None
         self._wake_producer = asyncio.Event()
         self._wake_consumer = asyncio.Event()
@@ -84,6 +86,9 @@ class AsyncScheduler(SyncScheduler):
     async def produce_batch(self, data, agent) -> list[Sample]:
         if self._producer is None:
             self._batch_groups = data.prompts_per_step
+            for r in self._restored:
+                self._start(agent, r.fresh, r.tail, index=r.index)
+            self._restored = []
             self._producer = asyncio.create_task(self._produce(data, agent))
             self._producer.add_done_callback(lambda _: self._wake_consumer.set())
         while True:
@@ -121,6 +126,28 @@ class AsyncScheduler(SyncScheduler):
         finally:
             self._syncing = False
             self._wake_producer.set()
+
+    # ---- checkpoint -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Finished groups waiting for a batch are kept with their tokens (and versions, so
+        the bound still applies after resume); groups in flight or set aside are kept as
+        their prompts and start again from scratch on resume, under the restored policy."""
+        def prompts(runs):
+            return [GroupRun(r.index, r.start_version, r.fresh, r.tail) for r in runs]
+
+        return super().state_dict() | {
+            "version": self.version, "launched": self._launched, "trained_groups": self._trained_groups,
+            "accepted": [GroupRun(r.index, r.start_version, r.fresh, r.tail, meter=list(r.meter),
+                                  samples=r.samples) for r in self._accepted],
+            "in_flight": prompts(r for r in self._running if r.cancelled is None) + prompts(self._restored),
+            "set_aside": prompts(self._set_aside)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.version = state["version"]
+        self._launched, self._trained_groups = state["launched"], state["trained_groups"]
+        self._accepted, self._set_aside = state["accepted"], state["set_aside"]
+        self._restored = state["in_flight"]
 
     async def aclose(self) -> None:
         tasks = [r.task for r in self._running if r.task] + ([self._producer] if self._producer else [])
@@ -179,9 +206,10 @@ class AsyncScheduler(SyncScheduler):
             for group in data.sample_groups(capacity - admitted):
                 self._start(agent, group)
 
-    def _start(self, agent, group: list[Sample], tail: bool = False) -> None:
-        run = GroupRun(self._launched, self.version, fresh_copies(group), tail)
-        self._launched += 1
+    def _start(self, agent, group: list[Sample], tail: bool = False, index: int | None = None) -> None:
+        if index is None:
+            index, self._launched = self._launched, self._launched + 1
+        run = GroupRun(index, self.version, fresh_copies(group), tail)
         run.task = asyncio.create_task(run_group(agent, group, run.meter))
         run.task.add_done_callback(lambda _: self._wake_producer.set())
         self._running.append(run)

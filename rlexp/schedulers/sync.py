@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections import Counter
 
+from rlexp.faults import EngineDead, fault_reason
 from rlexp.rollout.base import generated_tokens
 from rlexp.sample import Sample, Status
 
@@ -16,13 +17,15 @@ log = logging.getLogger(__name__)
 def collect(samples: list[Sample], results: list) -> list[list[Sample]]:
     """Agent results back into prompt groups. An agent returns one Sample, or several (a
     conversation that branched or was split at a prefix break); an exception marks the
-    sample FAILED (kept, counted, never trained)."""
+    sample FAILED with the reason (kept, counted, never trained); a dead engine stops the run."""
     groups: dict[int, list[Sample]] = {}
     for s, r in zip(samples, results):
+        if isinstance(r, (EngineDead, asyncio.CancelledError)):
+            raise r
         if isinstance(r, BaseException):
-            log.warning("agent failed on sample %d: %r", s.uid, r)
             s.status = Status.FAILED
-            s.metadata["error"] = repr(r)
+            s.metadata["error"] = fault_reason(r)
+            log.warning("sample %d failed: %s", s.uid, s.metadata["error"])
             r = s
         for out in r if isinstance(r, list) else [r]:
             groups.setdefault(out.group_id, []).append(out)
@@ -51,9 +54,11 @@ class SyncScheduler:
     """`filter_zero_variance`: drop groups without reward variance (status FILTERED) and
     roll out replacements, up to `max_filter_rounds` rounds per step (DAPO's dynamic sampling)."""
 
-    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: int = 4):
+    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: int = 4,
+                 max_failure_fraction: float = 0.5):
         self.filter_zero_variance = filter_zero_variance
         self.max_filter_rounds = max_filter_rounds
+        self.max_failure_fraction = max_failure_fraction  # the runner stops past it (checked per step)
         self.counts: Counter[str] = Counter()
 
     async def produce_batch(self, data, agent) -> list[Sample]:
@@ -89,6 +94,12 @@ class SyncScheduler:
         out = {k: float(v) for k, v in self.counts.items()}
         self.counts.clear()
         return out
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = Counter(state["counts"])
 
     async def aclose(self) -> None:
         """Nothing runs between calls."""

@@ -56,6 +56,23 @@ class MlflowTracker:
                  self.tracking_uri)
         return self.run_id
 
+    def resume(self, run_id: str, step: int, tags: dict[str, str]) -> None:
+        """Continue run `run_id` from checkpoint `step`: what the interrupted attempt logged
+        after that step is removed (those steps run again), so every step appears once."""
+        mlflow.set_tracking_uri(self.tracking_uri)
+        run = mlflow.start_run(run_id=run_id)
+        self.run_id = run.info.run_id
+        removed = truncate_metrics(run_id, step)
+        traces = delete_traces_after(run.info.experiment_id, run_id, step)
+        resumes = int(run.data.tags.get("rlexp.resumes", "0")) + 1
+        mlflow.set_tags(tags | {"rlexp.resumes": str(resumes), "rlexp.resumed_from_step": str(step)})
+        log.info("mlflow: resumed run %s at step %d (removed %d metric values and %d traces logged "
+                 "after it)", run_id, step, removed, traces)
+
+    def flush(self) -> None:
+        """Make sure everything logged so far is in the store (before a checkpoint says so)."""
+        mlflow.flush_async_logging()
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, synchronous=False)
 
@@ -70,8 +87,10 @@ class MlflowTracker:
                 if rng.random() < self.trace_sample_rate:
                     log_mlflow_trace(s, step)
 
-    def end(self, status: str = "FINISHED") -> None:
+    def end(self, status: str = "FINISHED", error: str | None = None) -> None:
         if self.run_id is not None:
+            if error:
+                mlflow.set_tag("rlexp.error", error[:5000])
             mlflow.flush_async_logging()
             mlflow.flush_trace_async_logging()
             mlflow.end_run(status=status)
@@ -97,6 +116,7 @@ def log_mlflow_trace(s, step: int) -> None:
     the prompt in, the response and reward out, one child span per turn."""
     with _own_random(), mlflow.start_span(name=f"trajectory step {step}", span_type="AGENT") as root:
         root.set_inputs({"messages": s.prompt, "answer": s.answer})
+        mlflow.update_current_trace(tags={"rlexp.step": str(step)})
         root.set_attributes({"rlexp.step": step, "rlexp.uid": s.uid, "rlexp.group_id": s.group_id,
                              "rlexp.status": s.status.value, "rlexp.reward": s.reward,
                              "rlexp.finish_reason": s.finish_reason,
@@ -109,6 +129,51 @@ def log_mlflow_trace(s, step: int) -> None:
                                      "rlexp.trained": turn.get("mask", 0)})
         root.set_outputs({"response": s.response_text, "reward": s.reward,
                           "reward_components": s.reward_components})
+
+
+def truncate_metrics(run_id: str, after_step: int) -> int:
+    """Delete the run's metric values logged at steps > `after_step`. MLflow has no API for
+    this; on its SQL stores (the SQLite default) it is done with MLflow's own tables, keeping
+    each metric's "latest value" consistent. Elsewhere the values stay and a warning says so."""
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    store = MlflowClient()._tracking_client.store
+    if not isinstance(store, SqlAlchemyStore):
+        log.warning("resume: %s is not a SQL store; metrics logged after step %d by the interrupted "
+                    "attempt stay, and those steps will appear twice", type(store).__name__, after_step)
+        return 0
+    with store.ManagedSessionMaker() as session:
+        later = session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.step > after_step)
+        removed = later.delete(synchronize_session=False)
+        stale = session.query(SqlLatestMetric).filter(SqlLatestMetric.run_uuid == run_id,
+                                                      SqlLatestMetric.step > after_step)
+        keys = [m.key for m in stale]
+        stale.delete(synchronize_session=False)
+        for key in keys:  # the latest remaining value becomes the metric's latest again
+            last = (session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.key == key)
+                    .order_by(SqlMetric.step.desc(), SqlMetric.timestamp.desc(), SqlMetric.value.desc())
+                    .first())
+            if last is not None:
+                session.add(SqlLatestMetric(run_uuid=run_id, key=key, value=last.value, step=last.step,
+                                            timestamp=last.timestamp, is_nan=last.is_nan))
+    return removed
+
+
+def delete_traces_after(experiment_id: str, run_id: str, after_step: int) -> int:
+    """Delete the run's sampled-trajectory traces of steps > `after_step`."""
+    client = MlflowClient()
+    doomed, token = [], None
+    while True:
+        page = client.search_traces(experiment_ids=[experiment_id], run_id=run_id, include_spans=False,
+                                    max_results=500, page_token=token)
+        doomed += [t.info.trace_id for t in page if int(t.info.tags.get("rlexp.step", -1)) > after_step]
+        token = page.token
+        if not token:
+            break
+    if doomed:
+        client.delete_traces(experiment_id, trace_ids=doomed)
+    return len(doomed)
 
 
 def sqlite_uri(path: str) -> str:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Hashable
 
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: list[int], norm_by_std: bool = True,
+def group_advantages(rewards: torch.Tensor, group_ids: list[Hashable], norm_by_std: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps); a group whose rewards are all equal gets 0."""
-    index: dict[int, list[int]] = defaultdict(list)
+    index: dict[Hashable, list[int]] = defaultdict(list)
     for i, g in enumerate(group_ids):
         index[g].append(i)
     adv = torch.zeros_like(rewards, dtype=torch.float32)

@@ -101,8 +101,12 @@ class GRPOTrainer:
         return None if self.ref is None else self._logprobs(self.ref, batch)
 
     def compute_advantages(self, batch: list[Sample]) -> torch.Tensor:
+        """Over each group's completed samples; a failed sample (never trained) gets 0 and
+        does not shift its group's mean."""
         rewards = torch.tensor([s.reward for s in batch], dtype=torch.float32)
-        return group_advantages(rewards, [s.group_id for s in batch], self.norm_adv_by_std)
+        groups = [s.group_id if s.status == Status.COMPLETED else ("excluded", i)
+                  for i, s in enumerate(batch)]
+        return group_advantages(rewards, groups, self.norm_adv_by_std)
 
     def train(self, batch: list[Sample], old: list[torch.Tensor], adv: torch.Tensor,
               ref: list[torch.Tensor] | None = None, update: bool = True,
@@ -155,7 +159,15 @@ class GRPOTrainer:
         await engine.update_weights(self.model.state_dict())
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """Everything but the weights (saved separately, as safetensors)."""
+        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                "version": self.version}
+
+    def load_state_dict(self, state: dict, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.version = state["version"]
 
     # ---- internals -----------------------------------------------------------------
     def _rows(self, samples: list[Sample]) -> list[PackedRow]:

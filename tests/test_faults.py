@@ -1,0 +1,132 @@
+"""Agent and judge faults through the guards and schedulers (fakes for the engine; the real
+runs with injected faults are in test_resume.py)."""
+
+import asyncio
+import math
+
+import pytest
+
+from rlexp.fault_injection import FaultyAgent, FaultyJudge
+from rlexp.faults import AgentGuard, EngineDead, JudgeGuard
+from rlexp.judges.math_exact import MathExactJudge
+from rlexp.run import rl_step, rollout_metrics
+from rlexp.sample import Sample, Status
+from rlexp.schedulers.async_scheduler import AsyncScheduler
+from rlexp.schedulers.sync import SyncScheduler, collect, run_group
+from tests.fakes import TimedEngine
+from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
+
+
+class ScoringAgent(CountingAgent):
+    """CountingAgent whose reward comes from a judge (a `response_text` the judge reads)."""
+
+    def __init__(self, engine, judge):
+        super().__init__(engine)
+        self.judge = judge
+
+    async def run(self, s):
+        s = await super().run(s)
+        s.response_text = "#### " + s.answer if s.metadata["seed"] % 2 else "#### 0"
+        return await self.judge.score(s)
+
+
+def _group(n=4, gid=0):
+    return [Sample(group_id=gid, prompt=[{"role": "user", "content": "1+1="}], answer="2",
+                   metadata={"seed": 1000 * gid + i}) for i in range(n)]
+
+
+def _agent(engine=None, judge=None, agent_timeout=None, judge_timeout=None, **rates):
+    engine = engine or TimedEngine()
+    judge_rates = {k[6:]: v for k, v in rates.items() if k.startswith("judge_")}
+    agent_rates = {k[6:]: v for k, v in rates.items() if k.startswith("agent_")}
+    judge = JudgeGuard(FaultyJudge(MathExactJudge(), hang_s=30, **judge_rates), judge_timeout)
+    faulty = FaultyAgent(engine, None, judge, inner=lambda engine, judge, **_: ScoringAgent(engine, judge),
+                         hang_s=30, **agent_rates)
+    return AgentGuard(faulty, agent_timeout)
+
+
+def _roll(agent, n=4):
+    return asyncio.run(run_group(agent, _group(n), [0]))
+
+
+@pytest.mark.parametrize("rates, status, reason", [
+    (dict(agent_raise_rate=1.0), Status.FAILED, "agent raised InjectedFault: injected agent fault"),
+    (dict(agent_hang_rate=1.0), Status.ABORTED, "agent timed out after 0.2s (agent.timeout_s)"),
+    (dict(judge_raise_rate=1.0), Status.FAILED, "judge raised InjectedFault: injected judge fault"),
+    (dict(judge_hang_rate=1.0), Status.FAILED, "judge timed out after 0.1s (judge.timeout_s)"),
+    (dict(judge_nan_rate=1.0), Status.FAILED, "judge returned a reward that is not a finite number: nan"),
+])
+def test_each_fault_marks_the_sample_with_its_reason(rates, status, reason):
+    out = _roll(_agent(agent_timeout=0.2, judge_timeout=0.1, **rates))
+    assert [s.status for s in out] == [status] * 4
+    assert all(s.error == reason for s in out)
+    assert all(s.to_trace(str)["error"] == reason for s in out)  # the reason is in the trace
+
+
+def test_without_faults_nothing_is_marked():
+    out = _roll(_agent(agent_timeout=5, judge_timeout=5))
+    assert [s.status for s in out] == [Status.COMPLETED] * 4
+    assert all(s.error is None and math.isfinite(s.reward) for s in out)
+    assert {s.reward for s in out} == {0.0, 1.0}
+
+
+def test_a_hung_agent_is_cut_off_at_its_timeout_not_at_its_hang():
+    loop_t0 = asyncio.run(_timed(_agent(agent_timeout=0.3, agent_hang_rate=1.0)))
+    assert loop_t0 < 5  # the fault sleeps 30 s
+
+
+async def _timed(agent):
+    t0 = asyncio.get_running_loop().time()
+    await run_group(agent, _group(), [0])
+    return asyncio.get_running_loop().time() - t0
+
+
+def test_a_dead_engine_stops_the_step_instead_of_failing_samples():
+    with pytest.raises(EngineDead):
+        collect(_group(2), [EngineDead("gone"), _group(1)[0]])
+
+
+@pytest.mark.parametrize("scheduler", [SyncScheduler, lambda: AsyncScheduler(staleness_threshold=1)])
+def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
+    async def go():
+        engine = TimedEngine()
+        agent = _agent(engine, agent_timeout=0.3, judge_timeout=0.2, agent_raise_rate=0.1,
+                       agent_hang_rate=0.1, judge_raise_rate=0.1, judge_nan_rate=0.1, judge_hang_rate=0.1)
+        sched, trainer, data = scheduler(), SleepyTrainer(0.01), _data()
+        steps = []
+        try:
+            for _ in range(4):
+                m = await rl_step(sched, data, agent, engine, trainer)
+                steps.append(m)
+        finally:
+            await sched.aclose()
+        return steps, trainer
+
+    steps, trainer = asyncio.run(go())
+    assert len(trainer.batches) == 4 and all(len(b) == 16 for b in trainer.batches)
+    batches = [m["batch"] for m in steps]
+    failed = sum(s.status == Status.FAILED for b in batches for s in b)
+    aborted = sum(s.status == Status.ABORTED for b in batches for s in b)
+    assert failed > 0 and aborted > 0  # ~40% and ~10% of 64 samples
+    assert sum(m["samples/failed"] for m in steps) == failed
+    fracs = [rollout_metrics(b, 0)["samples/failed_frac"] for b in batches]
+    assert fracs == [sum(s.error is not None for s in b) / 16 for b in batches]
+    assert 0.2 < sum(fracs) / 4 < 0.8
+    reasons = {s.error.split(" (")[0] for b in batches for s in b if s.error}
+    assert {"agent raised InjectedFault: injected agent fault", "agent timed out after 0.3s",
+            "judge raised InjectedFault: injected judge fault", "judge timed out after 0.2s",
+            "judge returned a reward that is not a finite number: nan"} == reasons
+
+
+def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
+    from rlexp.trainer.grpo import GRPOTrainer
+    import torch
+
+    trainer = GRPOTrainer(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
+                          track_ref_kl=False)
+    batch = _group(3)
+    for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
+        s.reward, s.status = r, st
+    adv = trainer.compute_advantages(batch)
+    assert adv[2] == 0
+    assert adv[:2].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent
