@@ -34,8 +34,9 @@ RUN_CONFIG = "rlexp_config.yaml"  # a run's resolved config, in its run dir: wha
 def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[DictConfig, Path, Path]:
     """`resume=<run dir>` or `resume=latest` (the run under `search_dir` checkpointed last):
     that run's saved config, its dir, and its newest checkpoint. Other `key=value` overrides
-    on the command line apply on top (e.g. `trainer.total_steps=600` to extend a run, or a
-    fixed judge setting); switching a config group is refused."""
+    on the command line apply on top (e.g. `trainer.total_steps=600` to extend a run); a key
+    of a non-default group option composes only with that choice repeated (`judge=faulty
+    judge.raise_rate=0`). Switching a config group is refused."""
     from rlexp.checkpoint import CheckpointError, latest_checkpoint, latest_run_dir
 
     try:
@@ -46,10 +47,12 @@ def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     cfg = OmegaConf.load(run_dir / RUN_CONFIG)
+    hydra_file = run_dir / ".hydra" / "hydra.yaml"
+    choices = OmegaConf.load(hydra_file).hydra.runtime.choices if hydra_file.is_file() else {}
     for override in overrides:
-        key = override.split("=", 1)[0]
-        if key == "resume" or key.startswith("hydra."):
-            continue
+        key, value = override.split("=", 1)
+        if key == "resume" or key.startswith("hydra.") or choices.get(key) == value:
+            continue  # e.g. `judge=faulty`, repeated so that `judge.raise_rate=0` composes
         current = OmegaConf.select(cfg, key, default="__missing__")
         if current == "__missing__" or isinstance(current, DictConfig):
             what = "is not a key of" if current == "__missing__" else "switches a config group of"

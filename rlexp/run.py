@@ -119,8 +119,9 @@ def build_guarded(cfg: DictConfig, group: str, guard, **runtime):
     node = cfg[group]
     timeout = node.get("timeout_s")
     log.info("building %-9s %s%s", group, node._target_, f" (timeout {timeout}s)" if timeout else "")
-    return guard(instantiate(OmegaConf.masked_copy(node, [k for k in node if k != "timeout_s"]),
-                             **runtime), timeout)
+    spec = OmegaConf.to_container(node, resolve=True)  # resolved while still in the whole config
+    spec.pop("timeout_s", None)
+    return guard(instantiate(spec, **runtime), timeout)
 
 
 @dataclass

@@ -119,8 +119,9 @@ def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
 
 
 def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
-    from rlexp.trainer.grpo import GRPOTrainer
     import torch
+
+    from rlexp.trainer.grpo import GRPOTrainer
 
     trainer = GRPOTrainer(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
                           track_ref_kl=False)

@@ -143,7 +143,11 @@ def truncate_metrics(run_id: str, after_step: int) -> int:
         log.warning("resume: %s is not a SQL store; metrics logged after step %d by the interrupted "
                     "attempt stay, and those steps will appear twice", type(store).__name__, after_step)
         return 0
-    with store.ManagedSessionMaker() as session:
+    try:
+        writable = store.ManagedSessionMaker(read_only=False)
+    except TypeError:  # MLflow releases before read-only sessions
+        writable = store.ManagedSessionMaker()
+    with writable as session:
         later = session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.step > after_step)
         removed = later.delete(synchronize_session=False)
         stale = session.query(SqlLatestMetric).filter(SqlLatestMetric.run_uuid == run_id,

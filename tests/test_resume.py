@@ -1,0 +1,228 @@
+"""Whole runs through real vLLM and a real SQLite MLflow store that get SIGKILLed, lose their
+engine, or hit injected agent/judge faults, then resume. Each kill point is drawn at random
+(seeded, printed) after some checkpoint: mid-step, mid-evaluation or mid-save."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from rlexp.checkpoint import checkpoints
+from tests.test_run import _history, _traces
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+# Not compared: wall-clock measurements.
+TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _cmd(store, run_dir, models, *overrides):
+    judge = "judge.inner" if "judge=faulty" in overrides else "judge"
+    return [sys.executable, "-m", "rlexp.run", "experiment=smoke", f"trainer.total_steps={STEPS}",
+            "checkpoint.every_n_steps=1", f"{judge}.format_reward=0.5",  # rewards vary: real updates
+            f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
+            "logger.experiment_name=test", "logger.trace_sample_rate=0.2",
+            f"model.cache_dir={models}", "model.warm_start_steps=40", f"hydra.run.dir={run_dir}",
+            *overrides]
+
+
+def _resume_cmd(run_dir, *overrides):
+    return [sys.executable, "-m", "rlexp.run", f"resume={run_dir}",
+            f"hydra.run.dir={run_dir}_resumed_{time.monotonic_ns()}", *overrides]
+
+
+def _start(cmd, log):
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def _finish(cmd, log, expect=0):
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        rc = proc.wait(timeout=600)
+    assert rc == expect, Path(log).read_text()[-4000:]
+
+
+def _wait_for(path: Path, proc, timeout=600):
+    t0 = time.time()
+    while not path.exists():
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {path} appeared"
+        assert time.time() - t0 < timeout
+        time.sleep(0.05)
+
+
+def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> None:
+    """Run `cmd` and SIGKILL its main process (a dying node) `delay` s after it wrote
+    `new_checkpoints` checkpoints (0: `delay` s after it started, e.g. while it resumes);
+    then check that the vLLM engine processes it left went down too."""
+    done = [s for s, _ in checkpoints(run_dir)]
+    target = run_dir / "checkpoints" / f"step_{max(done, default=0) + new_checkpoints}" / "meta.json"
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            if new_checkpoints:
+                _wait_for(target, proc)
+            time.sleep(delay)
+            assert proc.poll() is None, "finished before the kill point"
+            engine = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            gone, alive = psutil.wait_procs(engine, timeout=20)
+            assert not [p for p in alive if "VLLM" in " ".join(p.cmdline())], "orphaned vLLM engine"
+        finally:
+            for p in psutil.process_iter():
+                try:
+                    if os.getsid(p.pid) == proc.pid:
+                        p.kill()
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+
+
+def _run(store):
+    client = MlflowClient(f"sqlite:///{store}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    return client, run
+
+
+def _steps(client, run, key):
+    return [m.step for m in client.get_metric_history(run.info.run_id, key)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, models):
+    ref_store, store = tmp_path / "ref", tmp_path / "killed"
+    _finish(_cmd(ref_store, ref_store / "out", models), tmp_path / "ref.log")
+
+    rng = random.Random(6)
+    run_dir, log = store / "out", tmp_path / "killed.log"
+    # (new checkpoints to wait for, then seconds): mid-step or mid-evaluation after the 1st
+    # checkpoint; 2 checkpoints into the 1st resume; during the start of the 2nd resume
+    # (config, model, MLflow clean-up or engine start-up)
+    kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
+    print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
+    _kill(_cmd(store, run_dir, models), log, run_dir, *kills[0])
+    for k, delay in kills[1:]:
+        _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
+    _finish(_resume_cmd(run_dir), log)
+
+    (c_ref, ref), (c, run) = _run(ref_store), _run(store)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rlexp.resumes"] in ("2", "3")  # the 3rd kill may come before the run reopened
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))  # each step exactly once
+    compared = [k for k in ref.data.metrics if not k.startswith(TIMING)]
+    assert len(compared) > 30 and set(compared) <= set(run.data.metrics)
+    for key in compared:
+        assert _steps(c, run, key) == _steps(c_ref, ref, key), key
+        assert _history(c, run, key) == pytest.approx(_history(c_ref, ref, key), rel=1e-5, abs=1e-7), key
+    assert any(v != 0 for v in _history(c, run, "train/pg_loss"))  # the weights did move
+    for step in range(1, STEPS + 1):  # the same tokens were sampled and trained
+        tokens = [r["token_ids"] for r in _traces(c, run, step)]
+        assert tokens == [r["token_ids"] for r in _traces(c_ref, ref, step)], step
+    final = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    final_ref = load_file(ref_store / "out" / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    initial = load_file(next(models.glob("tiny-*")) / "model.safetensors")
+    for name, w in final_ref.items():
+        assert (final[name] - w).abs().max() <= 1e-6, name
+    assert any((final_ref[n] - initial[n]).abs().max() > 1e-4 for n in final_ref)
+    assert _trace_steps(c, run) == _trace_steps(c_ref, ref)  # sampled MLflow traces: none twice
+
+
+def _trace_steps(client, run):
+    traces = client.search_traces(experiment_ids=[run.info.experiment_id], run_id=run.info.run_id,
+                                  include_spans=False, max_results=1000)
+    return sorted(int(t.info.tags["rlexp.step"]) for t in traces)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_async_run_resumes_within_the_staleness_bound(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    cmd = _cmd(store, run_dir, models, "scheduler=async", "scheduler.staleness_threshold=1")
+    _kill(cmd, log, run_dir, 2, random.Random(2).uniform(0, 1.5))
+    state = __import__("torch").load(run_dir / "checkpoints" / "step_2" / "state.pt", weights_only=False)
+    assert state["scheduler"]["version"] == 2
+    _finish(_resume_cmd(run_dir), log)
+    c, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
+    assert max(_history(c, run, "rollout/staleness_max")) <= 1
+    for step in range(1, STEPS + 1):
+        for row in _traces(c, run, step):
+            trained = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
+            if row["status"] == "completed":
+                assert step - 1 - min(trained) <= 1  # staleness recomputed from the trace
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_dead_engine_is_reported_and_the_run_resumes(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    with open(log, "a") as f:
+        proc = _start(_cmd(store, run_dir, models, "trainer.total_steps=4"), f)
+        _wait_for(run_dir / "checkpoints" / "step_2" / "meta.json", proc)
+        (core,) = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
+        for p in [core] + core.children(recursive=True):
+            p.kill()
+        rc = proc.wait(timeout=120)
+    out = log.read_text()
+    assert rc == 3, out[-3000:]
+    assert "rlexp: run stopped: the vLLM engine process died" in out
+    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
+    c, run = _run(store)
+    assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
+    _finish(_resume_cmd(run_dir), log)
+    c, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_injected_faults_are_counted_and_the_run_goes_on(tmp_path, models):
+    _finish(_cmd(tmp_path, tmp_path / "out", models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
+                 "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.timeout_s=3",
+                 "judge=faulty", "judge.raise_rate=0.1", "judge.nan_rate=0.1", "judge.hang_rate=0.1",
+                 "judge.timeout_s=1", "scheduler.max_failure_fraction=0.9"), tmp_path / "run.log")
+    c, run = _run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == [1, 2, 3]
+    assert sum(_history(c, run, "samples/failed")) > 0 and sum(_history(c, run, "samples/aborted")) > 0
+    rows = [r for step in (1, 2, 3) for r in _traces(c, run, step)]
+    reasons = {r["error"].split(" (")[0] for r in rows if r["error"]}
+    assert reasons == {"agent raised InjectedFault: injected agent fault", "agent timed out after 3s",
+                       "judge raised InjectedFault: injected judge fault", "judge timed out after 1s",
+                       "judge returned a reward that is not a finite number: nan"}
+    assert all(r["status"] == "completed" for r in rows if not r["error"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_too_many_failures_checkpoint_stop_and_resume_after_the_fix(tmp_path, models):
+    run_dir, log = tmp_path / "out", tmp_path / "run.log"
+    _finish(_cmd(tmp_path, run_dir, models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
+                 "judge=faulty", "judge.raise_rate=1.0"), log, expect=3)
+    out = log.read_text()
+    assert ("rlexp: run stopped: step 1: 16 of 16 samples failed, more than "
+            "scheduler.max_failure_fraction=0.5 (most common: 16x judge raised InjectedFault: "
+            "injected judge fault)") in out
+    assert (run_dir / "checkpoints" / "step_1" / "meta.json").is_file()
+    c, run = _run(tmp_path)
+    assert run.info.status == "FAILED" and _steps(c, run, "samples/failed_frac") == [1]  # logged, kept
+    _finish(_resume_cmd(run_dir, "judge=faulty", "judge.raise_rate=0"), log)
+    c, run = _run(tmp_path)
+    assert run.info.status == "FINISHED" and _steps(c, run, "train/loss") == [2, 3]  # 1: nothing to train
+    assert _history(c, run, "samples/failed_frac") == [1.0, 0.0, 0.0]
