@@ -70,8 +70,10 @@ class MlflowTracker:
                  "after it)", run_id, step, removed, traces)
 
     def flush(self) -> None:
-        """Make sure everything logged so far is in the store (before a checkpoint says so)."""
+        """Make sure everything logged so far is in the store (before a checkpoint says so):
+        metrics and, logged asynchronously too, sampled traces."""
         mlflow.flush_async_logging()
+        mlflow.flush_trace_async_logging()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, synchronous=False)
