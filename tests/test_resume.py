@@ -137,7 +137,7 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     initial = load_file(next(models.glob("tiny-*")) / "model.safetensors")
     for name, w in final_ref.items():
         assert (final[name] - w).abs().max() <= 1e-6, name
-    assert any((final_ref[n] - initial[n]).abs().max() > 1e-4 for n in initial)  # lm_head is tied
+    assert any((final_ref[n] != initial[n]).any() for n in initial)  # trained (lm_head is tied: not saved)
     assert _trace_steps(c, run) == _trace_steps(c_ref, ref)  # sampled MLflow traces: none twice
 
 
