@@ -16,7 +16,7 @@ from rlexp.sample import Sample
 
 
 class InjectedFault(RuntimeError):
-    pass
+    """The error a faulty agent or judge raises on purpose."""
 
 
 def _draw(seed: int, sample: Sample, salt: str) -> float:

@@ -53,7 +53,7 @@ def main(args: list[str]) -> None:
             if abs(p.create_time() - float(created)) < 1e-3:
                 p.kill()
         except psutil.NoSuchProcess:
-            pass
+            continue  # already gone: nothing to kill
 
 
 if __name__ == "__main__":
