@@ -3,8 +3,8 @@
     python -m rlexp.compare sweeps/<sweep dir>            # or a parent run id
     python -m rlexp.compare <...> --tracking-uri sqlite:////abs/path/mlflow.db
 
-The tracking URI comes from the flag, else MLFLOW_TRACKING_URI, else the sweep dir's
-rlexp_sweep.json (written when the sweep started). Writes compare.md, compare.csv and
+The tracking URI comes from the flag, else the sweep dir's rlexp_sweep.json (written when
+the sweep started), else MLFLOW_TRACKING_URI. Writes compare.md, compare.csv and
 PNG plots (eval accuracy and training reward against step and against wall-clock time,
 one line per job) into the sweep dir."""
 
@@ -27,7 +27,9 @@ COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollo
 def find_sweep(target: str, tracking_uri: str | None) -> tuple[MlflowClient, str, Path | None]:
     """(client, parent run id, sweep dir) from a sweep dir or a parent run id."""
     info = read_sweep(target) if Path(target).is_dir() else None
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (info or {}).get("tracking_uri")
+    # The sweep's own record wins over the environment: MLflow's set_tracking_uri exports
+    # MLFLOW_TRACKING_URI, so a stale value from some other run is easy to inherit.
+    uri = tracking_uri or (info or {}).get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
         sys.exit(f"rlexp.compare: no tracking URI: {target} has no rlexp_sweep.json; "
                  "pass --tracking-uri or set MLFLOW_TRACKING_URI")

@@ -35,3 +35,15 @@ def tokenizer(tiny_model_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_tracking_uri():
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: keep one test's store out of the
+    subprocesses the next test starts."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before

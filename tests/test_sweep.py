@@ -107,6 +107,19 @@ def test_launching_a_sweep_dir_again_reuses_its_parent(tmp_path):
     assert [r.info.run_id for r in runs] == [info["parent_run_id"]]
 
 
+def test_compare_reads_the_store_from_the_sweep_dir_before_the_environment(tmp_path, monkeypatch):
+    from rlexp.compare import find_sweep
+    from rlexp.tracking.sweep import SWEEP_FILE
+
+    own = f"sqlite:///{tmp_path}/sweep.db"
+    (tmp_path / SWEEP_FILE).write_text(json.dumps({"tracking_uri": own, "parent_run_id": "p"}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
+    client, parent_id, sweep_dir = find_sweep(str(tmp_path), None)
+    assert (client.tracking_uri, parent_id, sweep_dir) == (own, "p", tmp_path)
+    client, _, _ = find_sweep(str(tmp_path), f"sqlite:///{tmp_path}/flag.db")
+    assert client.tracking_uri == f"sqlite:///{tmp_path}/flag.db"
+
+
 def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
     """Trace ids come from the global `random`, which every run seeds the same way: each
     run's traces must survive, and logging them must not shift the run's random stream."""
