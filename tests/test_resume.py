@@ -142,7 +142,7 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
 
 
 def _trace_steps(client, run):
-    traces = client.search_traces(experiment_ids=[run.info.experiment_id], run_id=run.info.run_id,
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id,
                                   include_spans=False, max_results=1000)
     return sorted(int(t.info.tags["rlexp.step"]) for t in traces)
 
