@@ -11,6 +11,7 @@ first. Processes are matched by pid and start time, so a reused pid is never kil
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -21,10 +22,8 @@ def snapshot() -> set[tuple[int, float]]:
     """(pid, start time) of every descendant of this process."""
     out = set()
     for p in psutil.Process().children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited since it was listed
             out.add((p.pid, p.create_time()))
-        except psutil.NoSuchProcess:
-            pass
     return out
 
 

@@ -93,8 +93,7 @@ class MlflowTracker:
         if self.run_id is not None:
             if error:
                 mlflow.set_tag("rlexp.error", error[:5000])
-            mlflow.flush_async_logging()
-            mlflow.flush_trace_async_logging()
+            self.flush()
             mlflow.end_run(status=status)
             self.run_id = None
 
@@ -171,7 +170,7 @@ def delete_traces_after(experiment_id: str, run_id: str, after_step: int) -> int
     client = MlflowClient()
     doomed, token = [], None
     while True:
-        page = client.search_traces(experiment_ids=[experiment_id], run_id=run_id, include_spans=False,
+        page = client.search_traces(locations=[experiment_id], run_id=run_id, include_spans=False,
                                     max_results=500, page_token=token)
         doomed += [t.info.trace_id for t in page if int(t.info.tags.get("rlexp.step", -1)) > after_step]
         token = page.token

@@ -199,8 +199,8 @@ class GRPOTrainer:
                 start += n
         return out
 
-    def _train_minibatch(self, samples, old, adv, ref, stats, first: bool, update: bool = True,
-                         behav=None, offpolicy=None) -> None:
+    def _train_minibatch(self, samples, old, adv, ref, stats, offpolicy, first: bool, update: bool = True,
+                         behav=None) -> None:
         n_tokens = sum(s.response_length for s in samples)
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
@@ -256,8 +256,7 @@ class GRPOTrainer:
             # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if first:
                 acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
-                if offpolicy is not None:
-                    self._offpolicy_by_staleness(offpolicy, logp.detach(), behav_lp, cat(stale), mask.bool())
+                self._offpolicy_by_staleness(offpolicy, logp.detach(), behav_lp, cat(stale), mask.bool())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if update:
             self.optimizer.step()
