@@ -52,7 +52,7 @@ async def one_rep(agent, args, rep: int) -> tuple[int, float]:
     src = ArithmeticSource(max_operand=99, ops="+", eval_size=200, seed=0)
     data = DataManager(src, prompts_per_step=args.sessions, samples_per_prompt=1, seed=rep)
     t0 = time.perf_counter()
-    batch = await SyncScheduler().produce_batch(data, agent)
+    batch = await SyncScheduler().produce_batch(data, agent, version=0)
     return sum(s.response_length for s in batch), time.perf_counter() - t0
 
 

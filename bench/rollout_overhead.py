@@ -68,7 +68,7 @@ async def rlexp_path(engine, tokenizer, args, rep: int, trace_dir: Path) -> tupl
     data = data_manager(args, rep)
     agent = SingleTurnAgent(engine, tokenizer, MathExactJudge())
     t0 = time.perf_counter()
-    batch = await SyncScheduler().produce_batch(data, agent)
+    batch = await SyncScheduler().produce_batch(data, agent, version=0)
     lines = "\n".join(json.dumps(s.to_trace(tokenizer.decode)) for s in batch)
     (trace_dir / f"step_{rep:05d}.jsonl").write_text(lines + "\n")
     return sum(s.response_length for s in batch), time.perf_counter() - t0

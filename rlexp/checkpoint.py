@@ -2,11 +2,11 @@
 
 A checkpoint is everything a run needs to continue as if it had never stopped:
 
-    model.safetensors   policy weights (the engine is reloaded from them on resume)
-    trainer.pt          optimizer and lr-schedule state, policy version
-    state.pt            data positions, scheduler state (replay buffer, groups in flight),
-                        RNG states, sample-id counter, MLflow run id, step
-    meta.json           step, run id, time; written last
+    model.safetensors   policy weights  } written by the trainer (`Trainer.save`); the engine
+    trainer.pt          optimizer, lr   } is reloaded from the weights on resume
+    state.pt            the loop's: step, policy version, data positions, scheduler state
+                        (groups waiting or in flight), RNG states, sample-id counter
+    meta.json           step, MLflow run id, time; written last
 
 It is assembled in a hidden temporary directory and renamed into place: a crash while
 saving leaves the previous checkpoints untouched and a `.tmp-*` directory that the next
@@ -27,15 +27,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlexp.rollout.base import save_state_dict
+from rlexp.errors import CheckpointError
+from rlexp.protocols import Trainer
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for."""
 
 
 def rng_state() -> dict:
@@ -98,8 +95,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(run_dir: str | Path, step: int, weights: dict, trainer_state: dict, state: bytes,
-         run_id: str | None, keep_last: int) -> Path:
+def save(run_dir: str | Path, step: int, trainer: Trainer, state: bytes, run_id: str | None,
+         keep_last: int) -> Path:
     """Write checkpoint `step` atomically, then delete all but the newest `keep_last`."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -108,8 +105,7 @@ def save(run_dir: str | Path, step: int, weights: dict, trainer_state: dict, sta
     tmp = root / f".tmp-step_{step}-{os.getpid()}"
     tmp.mkdir()
     t0 = time.time()
-    save_state_dict(weights, tmp)
-    torch.save(trainer_state, tmp / "trainer.pt")
+    trainer.save(tmp)
     (tmp / "state.pt").write_bytes(state)
     meta = {"step": step, "mlflow_run_id": run_id, "time": time.time()}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -127,15 +123,8 @@ def save(run_dir: str | Path, step: int, weights: dict, trainer_state: dict, sta
     return final
 
 
-def load(path: str | Path) -> dict:
-    """Everything in a checkpoint directory, tensors on the CPU."""
-    from safetensors.torch import load_file
-
+def load(path: str | Path) -> tuple[dict, dict]:
+    """A checkpoint's meta.json and the loop's state (the trainer loads its own part)."""
     path = Path(path)
     meta = json.loads((path / "meta.json").read_text())
-    return {
-        "meta": meta,
-        "weights": load_file(str(path / "model.safetensors")),
-        "trainer": torch.load(path / "trainer.pt", map_location="cpu", weights_only=False),
-        "state": torch.load(path / "state.pt", map_location="cpu", weights_only=False),
-    }
+    return meta, torch.load(path / "state.pt", map_location="cpu", weights_only=False)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
+import operator
 import os
+import types
+import typing
 from pathlib import Path
+from typing import Annotated, Any
 
+from annotated_types import Ge, Gt
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from rlexp.errors import CheckpointError, ConfigError
+from rlexp.guards import GUARDS
 
 # `${rlexp.abspath:mlflow.db}`: absolute path from the directory the command runs in.
 OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
@@ -24,10 +35,6 @@ def _job_dirname(sweep_dir: str, num: int, overrides) -> str:
 OmegaConf.register_new_resolver("rlexp.job_dirname", _job_dirname, replace=True)
 
 
-class ConfigError(ValueError):
-    """A bad config value, reported as one line before anything expensive starts."""
-
-
 RUN_CONFIG = "rlexp_config.yaml"  # a run's resolved config, in its run dir: what `resume=` reads
 
 
@@ -37,7 +44,7 @@ def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[
     on the command line apply on top (e.g. `trainer.total_steps=600` to extend a run); a key
     of a non-default group option composes only with that choice repeated (`judge=faulty
     judge.raise_rate=0`). Switching a config group is refused."""
-    from rlexp.checkpoint import CheckpointError, latest_checkpoint, latest_run_dir
+    from rlexp.checkpoint import latest_checkpoint, latest_run_dir
 
     try:
         run_dir = latest_run_dir(search_dir) if resume == "latest" else Path(resume)
@@ -70,116 +77,143 @@ def _get(cfg: DictConfig, key: str):
     return value
 
 
-def _int(cfg, key: str, minimum: int) -> int:
-    v = _get(cfg, key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{key} must be an integer, got {v!r} ({type(v).__name__})")
-    if v < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}, got {v}")
-    return v
-
-
-def _float(cfg, key: str, minimum: float, strict: bool = False) -> float:
-    v = _get(cfg, key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{key} must be a number, got {v!r} ({type(v).__name__})")
-    if v < minimum or (strict and v == minimum):
-        raise ConfigError(f"{key} must be {'>' if strict else '>='} {minimum}, got {v}")
-    return float(v)
-
-
-def _choice(cfg, key: str, choices: tuple[str, ...]) -> None:
-    if OmegaConf.select(cfg, key) is not None and _get(cfg, key) not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {_get(cfg, key)!r}")
-
-
-def validate(cfg: DictConfig) -> dict[str, int]:
-    """Raise ConfigError naming the first bad key; return derived sizes for logging."""
-    _check_targets(cfg)
-    _int(cfg, "seed", 0)
-    steps = _int(cfg, "trainer.total_steps", 1)
-    prompts = _int(cfg, "data.prompts_per_step", 1)
-    per_prompt = _int(cfg, "data.samples_per_prompt", 1)
-    if per_prompt < 2 and "grpo" in str(_get(cfg, "trainer._target_")).lower():
-        raise ConfigError(f"data.samples_per_prompt must be >= 2 for GRPO (advantages compare "
-                          f"samples of one prompt), got {per_prompt}")
-    _int(cfg, "rollout.max_response_tokens", 1)
-    _int(cfg, "rollout.max_model_len", 2)
-    _float(cfg, "rollout.temperature", 0.0, strict=True)
-    top_p = _float(cfg, "rollout.top_p", 0.0, strict=True)
-    if top_p > 1:
-        raise ConfigError(f"rollout.top_p must be <= 1, got {top_p}")
-    _int(cfg, "evaluator.every_n_steps", 1)
-    _int(cfg, "evaluator.samples_per_prompt", 1)
-    _float(cfg, "evaluator.temperature", 0.0)
-    if _get(cfg, "evaluator.prompts") is not None:
-        _int(cfg, "evaluator.prompts", 1)
-    minibatches = _int(cfg, "trainer.minibatches_per_step", 1)
-    if (prompts * per_prompt) % minibatches:
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the first bad key. Each component's arguments are checked
+    against its constructor's signature (`check_arguments`); what is checked here besides
+    are top-level keys and relations between groups."""
+    check_arguments(cfg)
+    for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
+        check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
+    check_value("trainer.optimizer.lr", _get(cfg, "trainer.optimizer.lr"), Annotated[float, Gt(0)])
+    trainer = get_object(cfg.trainer._target_)
+    least = getattr(trainer, "min_samples_per_prompt", 1)
+    if cfg.data.samples_per_prompt < least:
+        raise ConfigError(f"data.samples_per_prompt must be >= {least} for {trainer.__name__} (advantages "
+                          f"compare samples of one prompt), got {cfg.data.samples_per_prompt}")
+    samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
+    if samples % minibatches:
         raise ConfigError(f"trainer.minibatches_per_step={minibatches} must divide the samples of a step "
-                          f"(data.prompts_per_step * data.samples_per_prompt = {prompts * per_prompt})")
-    _int(cfg, "checkpoint.every_n_steps", 0)
-    _int(cfg, "checkpoint.keep_last", 0)
-    for key in ("agent.timeout_s", "judge.timeout_s"):
-        if OmegaConf.select(cfg, key) is not None:
-            _float(cfg, key, 0.0, strict=True)
-    failure_limit = _float(cfg, "scheduler.max_failure_fraction", 0.0)
-    if failure_limit > 1:
-        raise ConfigError(f"scheduler.max_failure_fraction must be <= 1, got {failure_limit}")
-    _int(cfg, "trainer.micro_batch_tokens", 1)
-    _float(cfg, "trainer.max_grad_norm", 0.0, strict=True)
-    _float(cfg, "trainer.optimizer.lr", 0.0, strict=True)
-    _check_agent(cfg)
-    _check_scheduler(cfg, prompts)
-    _choice(cfg, "trainer.lr_schedule", ("constant", "cosine"))
-    _choice(cfg, "trainer.old_logprobs", ("rollout", "recompute"))
-    _choice(cfg, "trainer.off_policy_correction", ("none", "decoupled", "tis"))
-    if OmegaConf.select(cfg, "trainer.is_cap") is not None:
-        _float(cfg, "trainer.is_cap", 1.0)
-    return {"samples_per_step": prompts * per_prompt, "total_train_samples": steps * prompts * per_prompt}
-
-
-def _check_targets(cfg: DictConfig, path: str = "") -> None:
-    """Every `_target_` must import, so a typo fails here, not after the engine started."""
-    from hydra.utils import get_object
-
-    for key, value in cfg.items_ex(resolve=False) if isinstance(cfg, DictConfig) else ():
-        where = f"{path}{key}"
-        if key == "_target_":
-            try:
-                get_object(value)
-            except Exception as e:
-                cause = e.__cause__ or e
-                raise ConfigError(f"{where}: cannot import {value!r} "
-                                  f"({type(cause).__name__}: {cause})") from None
-        elif isinstance(value, DictConfig):
-            _check_targets(value, where + ".")
-
-
-def _check_agent(cfg: DictConfig) -> None:
-    for key, minimum in (("agent.max_turns", 1), ("agent.max_tool_calls", 0)):
-        if OmegaConf.select(cfg, key) is not None:
-            _int(cfg, key, minimum)
-    _choice(cfg, "agent.on_prefix_break", ("split", "restart"))
-    _choice(cfg, "agent.transport", ("inprocess", "http"))
+                          f"(data.prompts_per_step * data.samples_per_prompt = {samples})")
     if OmegaConf.select(cfg, "agent.entrypoint") is not None:
         from rlexp.agents.openai_agent import load_entrypoint
 
         try:
-            load_entrypoint(_get(cfg, "agent.entrypoint"))
+            load_entrypoint(cfg.agent.entrypoint)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _check_scheduler(cfg)
 
 
-def _check_scheduler(cfg: DictConfig, prompts_per_step: int) -> None:
-    if OmegaConf.select(cfg, "scheduler.max_filter_rounds") is not None:
-        _int(cfg, "scheduler.max_filter_rounds", 1)
-    if OmegaConf.select(cfg, "scheduler.staleness_threshold") is None:
+def derived(cfg: DictConfig) -> dict[str, int]:
+    """Sizes that follow from the config, printed and logged (`derived.*` params)."""
+    per_step = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    return {"samples_per_step": per_step, "total_train_samples": cfg.trainer.total_steps * per_step}
+
+
+def check_arguments(node: DictConfig, path: str = "") -> None:
+    """Every `_target_` must import, and the keys beside it must be arguments of what it names,
+    with values its signature allows (types, `Literal` choices, `rlexp.constraints` bounds).
+    A group's `guard` sub-node is checked against its guard (rlexp/guards.py)."""
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    params: dict[str, inspect.Parameter] = {}
+    hints: dict[str, Any] = {}
+    if target is not None:
+        try:
+            obj = get_object(target)
+        except Exception as e:
+            cause = e.__cause__ or e
+            raise ConfigError(f"{path}_target_: cannot import {target!r} "
+                              f"({type(cause).__name__}: {cause})") from None
+        params, hints = _signature(obj)
+    for key, value in node.items_ex(resolve=False) if isinstance(node, DictConfig) else ():
+        where = f"{path}{key}"
+        if isinstance(key, str) and key.startswith("_"):
+            continue
+        if key == "guard" and path.rstrip(".") in GUARDS:
+            _check_guard(node, where, GUARDS[path.rstrip(".")])
+            continue
+        if target is not None and key not in params and not _takes_kwargs(params):
+            raise ConfigError(f"{where} is not an argument of {target} (it takes: "
+                              f"{', '.join(k for k in params if k != 'self')})")
+        if isinstance(value, DictConfig):
+            check_arguments(value, where + ".")
+        elif target is not None and key in hints:
+            try:
+                resolved = node[key]
+            except MissingMandatoryValue:
+                continue  # `???`: required on the command line; instantiate names it
+            check_value(where, resolved, hints[key])
+
+
+def _signature(obj) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        params = dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return {"kwargs": inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)}, {}
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # annotations that do not evaluate (third-party code): names only
+        hints = {}
+    return params, hints
+
+
+def _takes_kwargs(params: dict[str, inspect.Parameter]) -> bool:
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _check_guard(node: DictConfig, where: str, guard: type) -> None:
+    guard_node = node["guard"]
+    params, hints = _signature(guard)
+    for key in guard_node or {}:
+        if key not in params or key in ("self", "agent", "judge"):
+            raise ConfigError(f"{where}.{key} is not an argument of {guard.__name__}")
+        check_value(f"{where}.{key}", guard_node[key], hints.get(key, Any))
+
+
+def check_value(where: str, value: Any, annotation: Any) -> None:
+    """Raise ConfigError unless `value` fits `annotation`. Checked: bool, int, float, str,
+    `Literal`, `X | None` and annotated_types bounds (Ge, Gt, Le, Lt); anything else passes."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        base, *bounds = typing.get_args(annotation)
+        check_value(where, value, base)
+        for bound in bounds:
+            for attr, op, ok in (("ge", ">=", operator.ge), ("gt", ">", operator.gt),
+                                 ("le", "<=", operator.le), ("lt", "<", operator.lt)):
+                limit = getattr(bound, attr, None)
+                if limit is not None and not ok(value, limit):
+                    raise ConfigError(f"{where} must be {op} {limit}, got {value}")
+    elif origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(annotation)):
+            return
+        if len(options) == 1:
+            check_value(where, value, options[0])
+    elif origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    elif annotation is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r} ({type(value).__name__})")
+    elif annotation is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{where} must be an integer, got {value!r} ({type(value).__name__})")
+    elif annotation is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
+    elif annotation is str and not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r} ({type(value).__name__})")
+
+
+def _check_scheduler(cfg: DictConfig) -> None:
+    """Relations between the scheduler's knobs and the other groups."""
+    scheduler = get_object(cfg.scheduler._target_)
+    if getattr(scheduler, "overlaps_training", False) and OmegaConf.select(cfg, "rollout.enable_sleep_mode"):
+        raise ConfigError("rollout.enable_sleep_mode=true frees the engine during training, which "
+                          f"{scheduler.__name__} uses to keep generating; use scheduler=sync with it")
+    if OmegaConf.select(cfg, "scheduler.tail_batch_candidate_step") is None:
         return
-    eta = _int(cfg, "scheduler.staleness_threshold", 0)
-    _int(cfg, "scheduler.over_sample_groups", 0)
-    step = _int(cfg, "scheduler.tail_batch_candidate_step", 0)
-    size = _int(cfg, "scheduler.tail_batch_trigger_size", 0)
+    eta, step = cfg.scheduler.staleness_threshold, cfg.scheduler.tail_batch_candidate_step
+    size, prompts_per_step = cfg.scheduler.tail_batch_trigger_size, cfg.data.prompts_per_step
     if (step == 0) != (size == 0):
         raise ConfigError("scheduler.tail_batch_candidate_step and scheduler.tail_batch_trigger_size "
                           f"go on together (both > 0) or off (both 0); got {step} and {size}")
@@ -189,9 +223,6 @@ def _check_scheduler(cfg: DictConfig, prompts_per_step: int) -> None:
     if size > prompts_per_step:
         raise ConfigError(f"scheduler.tail_batch_trigger_size={size} must be <= "
                           f"data.prompts_per_step={prompts_per_step} (a tail batch fits in one batch)")
-    if OmegaConf.select(cfg, "rollout.enable_sleep_mode"):
-        raise ConfigError("rollout.enable_sleep_mode=true frees the engine during training, which the "
-                          "async scheduler uses to keep generating; use scheduler=sync with it")
 
 
 def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:

@@ -1,11 +1,12 @@
-"""Evaluator: metrics from an evaluation batch. It does no rollout itself: the runner
-produces the batch from the held-out split (see rlexp/run.py)."""
+"""Evaluator: metrics from an evaluation batch. It does no rollout itself: the loop
+produces the batch from the held-out split (`RLLoop.evaluate` in rlexp/loop.py)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from math import comb
 
+from rlexp.constraints import AtLeast1, NonNegative
 from rlexp.sample import Sample, Status
 
 
@@ -18,16 +19,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 class Evaluator:
     """`every_n_steps`, `prompts` (null = the whole held-out split), `samples_per_prompt`
-    and `temperature` tell the runner how to produce the eval batch."""
+    and `temperature` tell the loop how to produce the eval batch."""
 
-    def __init__(self, every_n_steps: int, samples_per_prompt: int = 1, temperature: float = 0.0,
-                 prompts: int | None = None):
+    def __init__(self, every_n_steps: AtLeast1, samples_per_prompt: AtLeast1 = 1,
+                 temperature: NonNegative = 0.0, prompts: AtLeast1 | None = None):
         self.every_n_steps = every_n_steps
         self.samples_per_prompt = samples_per_prompt
         self.temperature = temperature
         self.prompts = prompts
 
-    def evaluate(self, batch: list[Sample]) -> dict[str, float]:
+    def metrics(self, batch: list[Sample]) -> dict[str, float]:
         done = [s for s in batch if s.status == Status.COMPLETED]
         groups: dict[int, list[float]] = defaultdict(list)
         for s in done:

@@ -15,7 +15,6 @@ class Status(str, enum.Enum):
     FAILED = "failed"
     EXPIRED = "expired"
     FILTERED = "filtered"
-    ARCHIVED = "archived"
 
 
 @dataclass
@@ -60,27 +59,83 @@ def set_uid_counter(n: int) -> None:
     _uids = itertools.count(n)
 
 
+def staleness(trained_version: int, generated_version: int) -> int:
+    """THE definition of staleness: the number of policy versions between the version that
+    generated a token and the version being trained."""
+    return trained_version - generated_version
+
+
+@dataclass
+class TokenTrace:
+    """A token sequence and what is known of each token, kept aligned by `append`:
+    `loss_mask` 1 = produced by the policy (trained), 0 = prompt / environment / tool text;
+    `logprobs` the policy's sampling logprob (0.0 elsewhere); `versions` the policy version
+    that produced it (-1 elsewhere). `turns` records each appended span."""
+
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+    def append(self, ids: list[int], *, role: str, text: str = "",
+               generation: Generation | None = None) -> None:
+        """Add `ids`: the policy's (with the `generation` they came from) or, without one,
+        text it did not produce."""
+        start = len(self.tokens)
+        self.tokens += ids
+        self.loss_mask += [int(generation is not None)] * len(ids)
+        self.logprobs += generation.logprobs if generation is not None else [0.0] * len(ids)
+        self.versions += generation.versions if generation is not None else [-1] * len(ids)
+        self.turns.append({"role": role, "text": text, "span": [start, len(self.tokens)],
+                           "mask": int(generation is not None)})
+
+    def copy(self) -> TokenTrace:
+        """Copies of the lists (cheap); the turn records are never mutated in place."""
+        return TokenTrace(list(self.tokens), list(self.loss_mask), list(self.logprobs),
+                          list(self.versions), list(self.turns))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 @dataclass
 class Sample:
-    """One trajectory. `tokens` is the full sequence (prompt + response); `loss_mask`,
-    `logprobs` and `versions` are aligned to it (0 / 0.0 / -1 on non-policy tokens)."""
+    """One trajectory: its prompt, its `trace` (prompt + response tokens, aligned per token)
+    and what the judge made of it."""
 
     group_id: int
     prompt: list[dict[str, str]]  # chat messages
     answer: str  # reference answer for the judge
     prompt_token_ids: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    trace: TokenTrace = field(default_factory=TokenTrace)
     response_text: str = ""
     reward: float = 0.0
     reward_components: dict[str, float] = field(default_factory=dict)
     finish_reason: str = ""
     status: Status = Status.INIT
-    turns: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     uid: int = field(default_factory=lambda: next(_uids))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.trace.tokens
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return self.trace.loss_mask
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.trace.logprobs
+
+    @property
+    def versions(self) -> list[int]:
+        return self.trace.versions
+
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        return self.trace.turns
 
     @property
     def response_length(self) -> int:
@@ -97,9 +152,12 @@ class Sample:
         return self.metadata.get("error")
 
     def staleness(self, trained_version: int) -> int:
-        """THE definition of staleness: the number of policy versions between the version that
-        generated this sample's oldest trained token and the version being trained."""
-        return trained_version - self.oldest_version if self.response_length else 0
+        """`staleness` of the sample's oldest trained token (0 without trained tokens)."""
+        return staleness(trained_version, self.oldest_version) if self.response_length else 0
+
+    def token_staleness(self, trained_version: int) -> list[int]:
+        """`staleness` of every token (prompt tokens, version -1, are masked out of training)."""
+        return [staleness(trained_version, v) for v in self.versions]
 
     def to_trace(self, decode) -> dict[str, Any]:
         """One JSON-serialisable line of the rollout trace artifact."""

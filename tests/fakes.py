@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from rlexp.rollout.base import BusyMeter, count_generated
+from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 
 
@@ -85,12 +85,24 @@ class TimedEngine:
     async def resume(self) -> None:
         self._running.set()
 
-    async def update_weights(self, state_dict) -> None:
+    async def load_weights(self, directory, version: int) -> None:
         self.updates_while_generating += self.busy.active > 0
-        self.version += 1
+        self.version = version
 
     async def sleep(self) -> None:
         pass
 
     async def wake_up(self) -> None:
+        pass
+
+
+class VersionOnlyTransport:
+    """A WeightTransport for fake engines and trainers, which have no weights: it consumes
+    the trainer's (empty) weights and tells the engine the new version."""
+
+    async def transfer(self, weights, engine, version: int) -> None:
+        assert not list(weights)
+        await engine.load_weights(None, version)
+
+    def close(self) -> None:
         pass

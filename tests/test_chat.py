@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from rlexp.chat.client import SessionStore, parse_tool_calls
-from rlexp.chat.session import SessionError
+from rlexp.errors import SessionError
 from rlexp.sample import Sample
 from tests.fakes import ScriptedEngine
 

@@ -10,26 +10,51 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from rlexp import checkpoint
+from rlexp.errors import CheckpointError
+from rlexp.loop import rl_step
+from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.tracking.mlflow_tracker import truncate_metrics
-from tests.fakes import TimedEngine
+from tests.fakes import TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 
 
+class TensorTrainer:
+    """The checkpoint side of the Trainer Protocol, over one tensor and a state dict."""
+
+    def __init__(self, value: float = 0.0):
+        self.w, self.state = torch.full((3,), value), {"lr": value}
+
+    def save(self, directory):
+        save_safetensors([("w", self.w)], directory)
+        torch.save(self.state, directory / "trainer.pt")
+
+    def load(self, directory):
+        from safetensors.torch import load_file
+
+        self.w = load_file(str(directory / WEIGHTS_FILE))["w"]
+        self.state = torch.load(directory / "trainer.pt")
+
+
 def _save(run_dir, step, keep_last=2, state=None):
-    weights = {"w": torch.full((3,), float(step))}
     state = state or checkpoint.serialize({"step": step})
-    return checkpoint.save(run_dir, step, weights, {"version": step}, state, "run123", keep_last)
+    return checkpoint.save(run_dir, step, TensorTrainer(float(step)), state, "run123", keep_last)
+
+
+def _load(path) -> tuple[dict, dict, TensorTrainer]:
+    trainer = TensorTrainer()
+    trainer.load(path)
+    return (*checkpoint.load(path), trainer)
 
 
 def test_save_load_keep_last_and_latest(tmp_path):
     for step in (1, 2, 3):
         _save(tmp_path, step)
     assert [s for s, _ in checkpoint.checkpoints(tmp_path)] == [2, 3]  # keep_last=2
-    ckpt = checkpoint.load(checkpoint.latest_checkpoint(tmp_path))
-    assert ckpt["meta"]["step"] == 3 and ckpt["meta"]["mlflow_run_id"] == "run123"
-    assert ckpt["weights"]["w"].tolist() == [3.0] * 3
-    assert ckpt["trainer"] == {"version": 3} and ckpt["state"] == {"step": 3}
+    meta, state, trainer = _load(checkpoint.latest_checkpoint(tmp_path))
+    assert meta["step"] == 3 and meta["mlflow_run_id"] == "run123"
+    assert trainer.w.tolist() == [3.0] * 3
+    assert trainer.state == {"lr": 3.0} and state == {"step": 3}
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path, monkeypatch):
@@ -47,17 +72,17 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_usable(tmp_path, mo
     monkeypatch.undo()
     assert list((tmp_path / "checkpoints").glob(".tmp-*"))  # the half-written one is there...
     latest = checkpoint.latest_checkpoint(tmp_path)  # ...and ignored
-    assert latest.name == "step_1" and checkpoint.load(latest)["weights"]["w"][0] == 1.0
+    assert latest.name == "step_1" and _load(latest)[2].w[0] == 1.0
     _save(tmp_path, 2)
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the next save cleans up
     assert checkpoint.latest_checkpoint(tmp_path).name == "step_2"
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint"):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
         checkpoint.latest_checkpoint(tmp_path)
     (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)  # no meta.json: incomplete
-    with pytest.raises(checkpoint.CheckpointError):
+    with pytest.raises(CheckpointError):
         checkpoint.latest_checkpoint(tmp_path)
 
 
@@ -91,11 +116,10 @@ def test_async_scheduler_state_restores_waiting_and_in_flight_groups():
     async def go():
         engine, trainer, data = TimedEngine(token_s=0.001), SleepyTrainer(0.2), _data()
         agent = CountingAgent(engine)
-        from rlexp.run import rl_step
 
         first = AsyncScheduler(staleness_threshold=2)
-        for _ in range(2):
-            await rl_step(first, data, agent, engine, trainer)
+        for version in range(2):
+            await rl_step(first, data, agent, engine, trainer, VersionOnlyTransport(), version)
         await asyncio.sleep(0.01)  # newly launched groups are in flight, earlier ones wait
         state = checkpoint.serialize(first.state_dict())
         data_state = data.state_dict()
@@ -105,8 +129,8 @@ def test_async_scheduler_state_restores_waiting_and_in_flight_groups():
         second = AsyncScheduler(staleness_threshold=2)
         second.load_state_dict(torch.load(__import__("io").BytesIO(state), weights_only=False))
         data.load_state_dict(data_state)
-        for _ in range(6):
-            await rl_step(second, data, agent, engine, trainer)
+        for version in range(2, 8):
+            await rl_step(second, data, agent, engine, trainer, VersionOnlyTransport(), version)
         await second.aclose()
         return snapshot, trainer
 

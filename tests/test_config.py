@@ -11,9 +11,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import rlexp.config  # noqa: F401  (registers resolvers)
-from rlexp.config import ConfigError, validate
-from rlexp.faults import JudgeGuard
-from rlexp.run import build_guarded
+from rlexp.config import validate
+from rlexp.errors import ConfigError
+from rlexp.guards import JudgeGuard
+from rlexp.loop import build_guarded
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -77,8 +78,13 @@ def test_cheap_groups_instantiate(group):
     ("trainer.optimizer._target_=torch.optim.Adamw", "trainer.optimizer._target_: cannot import"),
     ("data.prompts_per_step=4 data.samples_per_prompt=4 trainer.minibatches_per_step=3",
      "minibatches_per_step=3 must divide the samples of a step"),
-    ("agent.timeout_s=0", "agent.timeout_s must be > 0"),
-    ("judge.timeout_s=-1", "judge.timeout_s must be > 0"),
+    ("agent.guard.timeout_s=0", "agent.guard.timeout_s must be > 0"),
+    ("judge.guard.timeout_s=-1", "judge.guard.timeout_s must be > 0"),
+    ("+judge.guard.retries=2", "judge.guard.retries is not an argument of JudgeGuard"),
+    ("agent=multiturn +agent.max_turn=5", "agent.max_turn is not an argument of rlexp.agents.multiturn"),
+    ("rollout.top_p=1.5", "rollout.top_p must be <= 1, got 1.5"),
+    ("evaluator.prompts=0", "evaluator.prompts must be >= 1, got 0"),
+    ("trainer.track_ref_kl=3", "trainer.track_ref_kl must be true or false, got 3"),
     ("scheduler.max_failure_fraction=1.5", "scheduler.max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
 ])

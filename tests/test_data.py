@@ -5,7 +5,6 @@ import pytest
 from rlexp.data import arithmetic
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource, JsonlSource
-from rlexp.sample import Status
 
 
 def test_arithmetic_split_is_deterministic_disjoint_and_correct():
@@ -64,9 +63,9 @@ def test_jsonl_missing_file(tmp_path):
         JsonlSource(str(tmp_path / "nope.jsonl"))
 
 
-def test_data_manager_groups_epochs_and_buffer():
+def test_data_manager_groups_and_epochs():
     src = ArithmeticSource(max_operand=4, ops="+", eval_size=5, seed=0)
-    dm = DataManager(src, prompts_per_step=4, samples_per_prompt=3, seed=0, replay_buffer_size=2)
+    dm = DataManager(src, prompts_per_step=4, samples_per_prompt=3, seed=0)
     seen = []
     for _ in range(5):  # 20 prompts = one full epoch of the 20 training problems
         groups = dm.sample_groups(4)
@@ -74,11 +73,7 @@ def test_data_manager_groups_epochs_and_buffer():
         assert all(len({s.group_id for s in g}) == 1 for g in groups)
         seen += [g[0].prompt[-1]["content"] for g in groups]
     assert sorted(seen) == sorted(p.messages[-1]["content"] for p in src.problems("train"))
-    groups = dm.sample_groups(3)
-    dm.put(groups)  # buffer holds 2 groups: the oldest is archived
-    assert groups[0][0].status == Status.ARCHIVED and dm.buffered_groups == 2
-    batch = dm.get_batch()
-    assert [s.group_id for s in batch] == [groups[1][0].group_id] * 3 + [groups[2][0].group_id] * 3
+    assert [g[0].group_id for g in dm.sample_groups(2)] == [20, 21]  # ids go on across epochs
 
 
 def test_eval_split_keeps_order():

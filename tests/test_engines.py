@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlexp.agents.single_turn import render_prompt
-from rlexp.sample import Sample, SamplingConfig, Status
+from rlexp.rollout.weights import RamFileTransport
+from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 from rlexp.trainer.grpo import GRPOTrainer
 
 TEMPERATURE = 0.7
@@ -18,9 +19,23 @@ def _prompts(tokenizer):
 
 
 def _as_samples(prompts, gens):
-    return [Sample(group_id=0, prompt=[], answer="", tokens=p + g.token_ids,
-                   loss_mask=[0] * len(p) + [1] * len(g.token_ids), status=Status.COMPLETED)
-            for p, g in zip(prompts, gens)]
+    samples = []
+    for p, g in zip(prompts, gens):
+        trace = TokenTrace()
+        trace.append(p, role="prompt")
+        trace.append(g.token_ids, role="assistant", generation=g)
+        samples.append(Sample(group_id=0, prompt=[], answer="", trace=trace, status=Status.COMPLETED))
+    return samples
+
+
+async def _publish(trainer, engine, version):
+    """The loop's weight sync: the trainer's weights through the RAM-file transport."""
+    transport = RamFileTransport()
+    try:
+        await transport.transfer(trainer.weights(), engine, version)
+    finally:
+        transport.close()
+    assert not transport.directory.exists()  # nothing left in /dev/shm
 
 
 def _max_logprob_diff(trainer, prompts, gens) -> float:
@@ -45,9 +60,10 @@ async def _check_engine(engine, trainer, tokenizer):
             p.add_(torch.randn_like(p) * 0.02)
     stale = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
     assert _max_logprob_diff(trainer, prompts, stale) > 1e-3  # the test can tell weights apart
-    await trainer.sync_weights(engine)
-    assert engine.version == 1
+    await _publish(trainer, engine, version=3)  # the loop's number: the engine counts nothing
+    assert engine.version == 3
     gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+    assert all(g.versions == [3] * len(g.token_ids) for g in gens)
     after = _max_logprob_diff(trainer, prompts, gens)
     return before, after
 
@@ -60,7 +76,7 @@ def _trainer(path):
 def test_hf_engine_logprobs_match_trainer(tiny_model_path, tokenizer):
     from rlexp.rollout.hf_engine import HFEngine
 
-    engine = HFEngine(tiny_model_path)
+    engine = HFEngine(tiny_model_path, seed=0)
     before, after = asyncio.run(_check_engine(engine, _trainer(tiny_model_path), tokenizer))
     assert before < 1e-4 and after < 1e-4
 
@@ -102,7 +118,7 @@ def test_vllm_sleep_wake_keeps_synced_weights(tiny_model_path, tokenizer):
     trainer = _trainer(tiny_model_path)
 
     async def main():
-        engine = VLLMEngine(tiny_model_path, enable_sleep_mode=True, gpu_memory_utilization=0.2)
+        engine = VLLMEngine(tiny_model_path, seed=0, enable_sleep_mode=True, gpu_memory_utilization=0.2)
         try:
             await engine.sleep()
             await engine.wake_up()
@@ -131,7 +147,7 @@ def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_mo
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
-        await trainer.sync_weights(engine)
+        await _publish(trainer, engine, version=1)
         await engine.resume()
         return await asyncio.gather(*reqs)
 

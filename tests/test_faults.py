@@ -6,14 +6,17 @@ import math
 
 import pytest
 
-from rlexp.fault_injection import FaultyAgent, FaultyJudge
-from rlexp.faults import AgentGuard, EngineDead, JudgeGuard
+from rlexp.agents.faulty import FaultyAgent
+from rlexp.errors import EngineDead
+from rlexp.guards import AgentGuard, JudgeGuard
+from rlexp.judges.faulty import FaultyJudge
 from rlexp.judges.math_exact import MathExactJudge
-from rlexp.run import rl_step, rollout_metrics
+from rlexp.loop import rl_step
+from rlexp.metrics import rollout_metrics
 from rlexp.sample import Sample, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler
-from rlexp.schedulers.sync import SyncScheduler, collect, run_group
-from tests.fakes import TimedEngine
+from rlexp.schedulers.sync import SyncScheduler, collect, rollout_group
+from tests.fakes import TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 
 
@@ -24,8 +27,8 @@ class ScoringAgent(CountingAgent):
         super().__init__(engine)
         self.judge = judge
 
-    async def run(self, s):
-        s = await super().run(s)
+    async def rollout(self, s):
+        s = await super().rollout(s)
         s.response_text = "#### " + s.answer if s.metadata["seed"] % 2 else "#### 0"
         return await self.judge.score(s)
 
@@ -46,14 +49,14 @@ def _agent(engine=None, judge=None, agent_timeout=None, judge_timeout=None, **ra
 
 
 def _roll(agent, n=4):
-    return asyncio.run(run_group(agent, _group(n), [0]))
+    return asyncio.run(rollout_group(agent, _group(n), [0]))
 
 
 @pytest.mark.parametrize("rates, status, reason", [
     (dict(agent_raise_rate=1.0), Status.FAILED, "agent raised InjectedFault: injected agent fault"),
-    (dict(agent_hang_rate=1.0), Status.ABORTED, "agent timed out after 0.2s (agent.timeout_s)"),
+    (dict(agent_hang_rate=1.0), Status.ABORTED, "agent timed out after 0.2s (agent.guard.timeout_s)"),
     (dict(judge_raise_rate=1.0), Status.FAILED, "judge raised InjectedFault: injected judge fault"),
-    (dict(judge_hang_rate=1.0), Status.FAILED, "judge timed out after 0.1s (judge.timeout_s)"),
+    (dict(judge_hang_rate=1.0), Status.FAILED, "judge timed out after 0.1s (judge.guard.timeout_s)"),
     (dict(judge_nan_rate=1.0), Status.FAILED, "judge returned a reward that is not a finite number: nan"),
 ])
 def test_each_fault_marks_the_sample_with_its_reason(rates, status, reason):
@@ -77,7 +80,7 @@ def test_a_hung_agent_is_cut_off_at_its_timeout_not_at_its_hang():
 
 async def _timed(agent):
     t0 = asyncio.get_running_loop().time()
-    await run_group(agent, _group(), [0])
+    await rollout_group(agent, _group(), [0])
     return asyncio.get_running_loop().time() - t0
 
 
@@ -95,16 +98,17 @@ def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
         sched, trainer, data = scheduler(), SleepyTrainer(0.01), _data()
         steps = []
         try:
-            for _ in range(4):
-                m = await rl_step(sched, data, agent, engine, trainer)
-                steps.append(m)
+            for version in range(4):
+                steps.append(await rl_step(sched, data, agent, engine, trainer, VersionOnlyTransport(),
+                                           version))
         finally:
             await sched.aclose()
         return steps, trainer
 
     steps, trainer = asyncio.run(go())
     assert len(trainer.batches) == 4 and all(len(b) == 16 for b in trainer.batches)
-    batches = [m["batch"] for m in steps]
+    batches = [batch for batch, _ in steps]
+    steps = [m for _, m in steps]
     failed = sum(s.status == Status.FAILED for b in batches for s in b)
     aborted = sum(s.status == Status.ABORTED for b in batches for s in b)
     assert failed > 0 and aborted > 0  # ~40% and ~10% of 64 samples

@@ -32,7 +32,7 @@ def test_example_agent_traces_become_samples(tokenizer, transport):
 
     async def go():
         try:
-            return await agent.run(_task())
+            return await agent.rollout(_task())
         finally:
             await agent.aclose()
 
@@ -46,7 +46,7 @@ def test_example_agent_traces_become_samples(tokenizer, transport):
 def test_dict_result_goes_to_the_judge(tokenizer):
     agent = OpenAIAgent(ScriptedEngine(tokenizer, ["46"]), tokenizer, MathExactJudge(),
                         "tests.test_openai_agent:returns_info")
-    (s,) = asyncio.run(agent.run(_task()))
+    (s,) = asyncio.run(agent.rollout(_task()))
     assert s.metadata["info"] == {"reply": "46"} and s.reward == 1.0
 
 
@@ -54,7 +54,7 @@ def test_agent_that_never_calls_the_policy_fails_clearly(tokenizer):
     agent = OpenAIAgent(ScriptedEngine(tokenizer, []), tokenizer, MathExactJudge(),
                         "tests.test_openai_agent:no_calls")
     with pytest.raises(RuntimeError, match="made no policy calls"):
-        asyncio.run(agent.run(_task()))
+        asyncio.run(agent.rollout(_task()))
 
 
 @pytest.mark.parametrize("spec, message", [

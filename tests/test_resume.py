@@ -194,9 +194,9 @@ def test_dead_engine_is_reported_and_the_run_resumes(tmp_path, models):
 @pytest.mark.vllm
 def test_injected_faults_are_counted_and_the_run_goes_on(tmp_path, models):
     _finish(_cmd(tmp_path, tmp_path / "out", models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
-                 "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.timeout_s=3",
+                 "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.guard.timeout_s=3",
                  "judge=faulty", "judge.raise_rate=0.1", "judge.nan_rate=0.1", "judge.hang_rate=0.1",
-                 "judge.timeout_s=1", "scheduler.max_failure_fraction=0.9"), tmp_path / "run.log")
+                 "judge.guard.timeout_s=1", "scheduler.max_failure_fraction=0.9"), tmp_path / "run.log")
     c, run = _run(tmp_path)
     assert run.info.status == "FINISHED"
     assert _steps(c, run, "train/loss") == [1, 2, 3]

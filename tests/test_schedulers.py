@@ -12,11 +12,11 @@ import pytest
 from rlexp.agents.single_turn import request_seed
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
-from rlexp.run import rl_step
-from rlexp.sample import Sample, Status
+from rlexp.loop import rl_step
+from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
-from tests.fakes import TimedEngine
+from tests.fakes import TimedEngine, VersionOnlyTransport
 
 PROMPT = [1, 2, 3]
 
@@ -29,17 +29,18 @@ class CountingAgent:
         self.engine = engine
         self.reward_p = reward_p
 
-    async def run(self, s: Sample) -> Sample:
+    async def rollout(self, s: Sample) -> Sample:
         gen = await self.engine.generate(PROMPT, replace(self.engine.sampling,
                                                          seed=request_seed(0, s)))
-        s.tokens = PROMPT + gen.token_ids
-        s.loss_mask = [0] * len(PROMPT) + [1] * len(gen.token_ids)
-        s.logprobs = [0.0] * len(PROMPT) + gen.logprobs
-        s.versions = [-1] * len(PROMPT) + gen.versions
-        s.turns = [{"role": "assistant", "span": [len(PROMPT), len(s.tokens)], "mask": 1}]
+        s.trace = TokenTrace()
+        s.trace.append(PROMPT, role="prompt")
+        s.trace.append(gen.token_ids, role="assistant", generation=gen)
         s.reward = float(random.Random(s.metadata["seed"]).random() < self.reward_p)
         s.status = Status.COMPLETED
         return s
+
+    async def aclose(self) -> None:
+        pass
 
 
 class SleepyTrainer:
@@ -47,17 +48,17 @@ class SleepyTrainer:
 
     def __init__(self, fit_s: float):
         self.fit_s = fit_s
-        self.version = 0
         self.batches: list[list[Sample]] = []
+        self.versions: list[int] = []  # the version each fit was told it trains
 
-    def fit(self, batch):
+    def fit(self, batch, version):
         time.sleep(self.fit_s)
         self.batches.append(batch)
-        self.version += 1
+        self.versions.append(version)
         return {}
 
-    async def sync_weights(self, engine):
-        await engine.update_weights({})
+    def weights(self):
+        return iter(())
 
 
 def _data(groups=4, per_prompt=4):
@@ -73,9 +74,8 @@ async def _train(scheduler, steps=8, fit_s=0.02, token_s=0.001, mean_len=8.0, ma
     agent = CountingAgent(engine, reward_p)
     metrics = []
     try:
-        for _ in range(steps):
-            m = await rl_step(scheduler, data, agent, engine, trainer)
-            m.pop("batch")
+        for version in range(steps):
+            _, m = await rl_step(scheduler, data, agent, engine, trainer, VersionOnlyTransport(), version)
             metrics.append(m)
     finally:
         await scheduler.aclose()
@@ -83,9 +83,11 @@ async def _train(scheduler, steps=8, fit_s=0.02, token_s=0.001, mean_len=8.0, ma
 
 
 def _staleness(trainer):
-    """Per trained sample: trainer version at fit minus the oldest version of its tokens."""
+    """Per trained sample: the version the trainer was told it trains, minus the oldest
+    version of the sample's tokens."""
+    assert trainer.versions == list(range(len(trainer.batches)))  # the loop's count, passed on
     return [[s.staleness(v) for s in batch if s.status == Status.COMPLETED]
-            for v, batch in enumerate(trainer.batches)]
+            for v, batch in zip(trainer.versions, trainer.batches)]
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
@@ -113,7 +115,7 @@ def test_admission_control_stops_launching_at_the_bound():
         engine = TimedEngine(0.0005)
         sched = AsyncScheduler(staleness_threshold=2)
         data = _data()
-        await sched.produce_batch(data, CountingAgent(engine))
+        await sched.produce_batch(data, CountingAgent(engine), 0)
         await asyncio.sleep(0.3)  # the trainer never comes back: rollout must stop on its own
         launched = sched._launched
         await sched.aclose()

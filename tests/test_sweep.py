@@ -127,7 +127,7 @@ def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from rlexp.sample import Sample, Status
+    from rlexp.sample import Sample, Status, TokenTrace
     from rlexp.tracking.mlflow_tracker import MlflowTracker
 
     uri = f"sqlite:///{tmp_path}/m.db"
@@ -137,7 +137,7 @@ def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
         random.seed(0)
         s = Sample(group_id=0, prompt=[{"role": "user", "content": "1+1="}], answer="2",
                    response_text="2", reward=1.0, status=Status.COMPLETED,
-                   turns=[{"role": "assistant", "text": "2", "span": [0, 1], "mask": 1}])
+                   trace=TokenTrace(turns=[{"role": "assistant", "text": "2", "span": [0, 1], "mask": 1}]))
         tracker.log_samples([s], 1, decode=lambda ids: "")
         after = random.random()
         tracker.end()

@@ -46,7 +46,7 @@ def test_tool_agent_round_trip_and_masks(tokenizer):
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
     engine = ScriptedEngine(tokenizer, [call, "46"])
     agent = ToolAgent(engine, tokenizer, MathExactJudge())
-    (s,) = asyncio.run(agent.run(_task()))
+    (s,) = asyncio.run(agent.rollout(_task()))
     (p1, g1), (p2, g2) = engine.calls
     assert s.tokens == p2 + g2 and p2[: len(p1) + len(g1)] == p1 + g1
     tool_text = tokenizer.decode(p2[len(p1) + len(g1):])
@@ -63,7 +63,7 @@ def test_tool_agent_answers_bad_calls_with_errors(tokenizer):
                '<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>']
     engine = ScriptedEngine(tokenizer, replies)
     agent = ToolAgent(engine, tokenizer, MathExactJudge(), max_turns=4, max_tool_calls=3)
-    (s,) = asyncio.run(agent.run(_task()))
+    (s,) = asyncio.run(agent.rollout(_task()))
     prompts = [tokenizer.decode(p) for p, _ in engine.calls]
     assert "error: unknown tool 'invalid'" in prompts[1]
     assert "error: unknown tool 'nope'" in prompts[2]
@@ -76,7 +76,7 @@ def test_tool_agent_answers_bad_calls_with_errors(tokenizer):
 def test_multiturn_agent_feedback_and_discounted_reward(tokenizer):
     engine = ScriptedEngine(tokenizer, ["45", "47", "46"])
     agent = MultiTurnAgent(engine, tokenizer, MultiTurnJudge(discount=0.5), max_turns=3)
-    (s,) = asyncio.run(agent.run(_task()))
+    (s,) = asyncio.run(agent.rollout(_task()))
     assert len(engine.calls) == 3
     assert tokenizer.decode(engine.calls[1][0]).count("Incorrect, try again.") == 1
     assert s.reward_components["turn_1"] == 0.0 and s.reward_components["turn_3"] == 1.0
@@ -86,5 +86,5 @@ def test_multiturn_agent_feedback_and_discounted_reward(tokenizer):
 
 def test_multiturn_agent_stops_when_right(tokenizer):
     engine = ScriptedEngine(tokenizer, ["46", "0"])
-    (s,) = asyncio.run(MultiTurnAgent(engine, tokenizer, MultiTurnJudge()).run(_task()))
+    (s,) = asyncio.run(MultiTurnAgent(engine, tokenizer, MultiTurnJudge()).rollout(_task()))
     assert len(engine.calls) == 1 and s.reward == 1.0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlexp.sample import Sample, Status
+from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.advantages import group_advantages
 from rlexp.trainer.grpo import GRPOTrainer
 from rlexp.trainer.losses import clipped_pg_loss, k3_kl
@@ -62,10 +62,10 @@ def _batch(tokenizer, texts):
         prompt = render_prompt(tokenizer, [{"role": "user", "content": q}])
         for resp, reward in responses:
             r = tokenizer.encode(resp, add_special_tokens=False) + [tokenizer.eos_token_id]
-            s = Sample(group_id=gid, prompt=[], answer="", tokens=prompt + r,
-                       loss_mask=[0] * len(prompt) + [1] * len(r), logprobs=[0.0] * (len(prompt) + len(r)),
-                       reward=reward, status=Status.COMPLETED)
-            out.append(s)
+            n = len(prompt) + len(r)
+            trace = TokenTrace(prompt + r, [0] * len(prompt) + [1] * len(r), [0.0] * n)
+            out.append(Sample(group_id=gid, prompt=[], answer="", trace=trace, reward=reward,
+                              status=Status.COMPLETED))
     return out
 
 
@@ -86,8 +86,8 @@ def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, to
     trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=True)
     before = trainer.compute_old_logprobs(batch)
     for s, lp in zip(batch, before):
-        s.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
-    metrics = trainer.fit(batch)
+        s.trace.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
+    metrics = trainer.fit(batch, 0)
     after = trainer.compute_old_logprobs(batch)
     resp = lambda s, lp: (lp * torch.tensor(s.loss_mask)).sum().item()  # noqa: E731
     assert resp(batch[0], after[0]) > resp(batch[0], before[0]) + 1e-3  # rewarded: more likely
@@ -95,7 +95,7 @@ def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, to
     assert metrics["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["train/kl"] == pytest.approx(0.0, abs=1e-6)  # ref == policy before the step
     assert metrics["train/grad_norm"] > 0 and metrics["train/entropy"] > 0
-    metrics = trainer.fit(batch)  # second step: the policy has drifted from the reference
+    metrics = trainer.fit(batch, 1)  # second step: the policy has drifted from the reference
     assert metrics["train/kl"] > 0
 
 
@@ -103,7 +103,7 @@ def test_failed_samples_are_not_trained(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
     batch[0].status = Status.FAILED
     trainer = _trainer(tiny_model_path, track_ref_kl=False)
-    metrics = trainer.fit(batch)
+    metrics = trainer.fit(batch, 0)
     assert metrics["train/response_tokens"] == batch[1].response_length
 
 
@@ -125,7 +125,8 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
     trainer = _trainer(tiny_model_path, track_ref_kl=True)
     lps = trainer.compute_ref_logprobs(batch)
     assert len(lps) == 3 and lps[2].numel() == 0 and lps[0].numel() == len(batch[0].tokens)
-    assert trainer.fit(batch)["train/response_tokens"] == batch[0].response_length + batch[1].response_length
+    trained = trainer.fit(batch, 0)["train/response_tokens"]
+    assert trained == batch[0].response_length + batch[1].response_length
 
 
 def test_no_signal_means_no_update(tiny_model_path, tokenizer):
@@ -133,18 +134,18 @@ def test_no_signal_means_no_update(tiny_model_path, tokenizer):
     trainer = GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=2, track_ref_kl=False,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     batch[0].reward = 0.0  # first step has signal: Adam builds momentum
-    trainer.fit(batch)
+    trainer.fit(batch, 0)
     batch[0].reward = 1.0
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    metrics = trainer.fit(batch)  # equal rewards within every group: nothing to learn
+    metrics = trainer.fit(batch, 1)  # equal rewards within every group: nothing to learn
     assert metrics["train/skipped_step"] == 1.0
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
 
 
-def _on_policy(trainer, batch):
+def _on_policy(trainer, batch, version):
     for s, lp in zip(batch, trainer.compute_old_logprobs(batch)):
-        s.logprobs = lp.tolist()
-        s.versions = [trainer.version] * len(s.tokens)
+        s.trace.logprobs = lp.tolist()
+        s.trace.versions = [version] * len(s.tokens)
     return batch
 
 
@@ -158,7 +159,7 @@ def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, token
         trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=False, off_policy_correction=mode,
                            is_cap=10.0)
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        trainer.fit(_on_policy(trainer, _batch(tokenizer, texts)))
+        trainer.fit(_on_policy(trainer, _batch(tokenizer, texts), version=0), 0)
         steps[mode] = {k: v - before[k] for k, v in trainer.model.state_dict().items()}
     assert any(d.abs().max() > 1e-4 for d in steps["none"].values())
     for k, d in steps["none"].items():
@@ -169,11 +170,11 @@ def test_importance_weights_are_truncated_and_broken_down_by_staleness(tiny_mode
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
     for mode in ("decoupled", "tis"):
         trainer = _trainer(tiny_model_path, track_ref_kl=False, off_policy_correction=mode, is_cap=2.0)
-        batch = _on_policy(trainer, _batch(tokenizer, texts))
+        batch = _on_policy(trainer, _batch(tokenizer, texts), version=4)
         for s in batch[2:]:  # the second group is one version old, its behaviour policy less sure
-            s.logprobs = [lp - 1.0 if m else lp for lp, m in zip(s.logprobs, s.loss_mask)]
-            s.versions = [trainer.version - 1] * len(s.tokens)
-        m = trainer.fit(batch)
+            s.trace.logprobs = [lp - 1.0 if m else lp for lp, m in zip(s.logprobs, s.loss_mask)]
+            s.trace.versions = [3] * len(s.tokens)
+        m = trainer.fit(batch, 4)
         stale_tokens = sum(s.response_length for s in batch[2:])
         assert m["offpolicy/tokens/staleness_1"] == stale_tokens
         assert m["offpolicy/tokens/staleness_0"] == sum(s.response_length for s in batch[:2])

@@ -8,38 +8,39 @@ from __future__ import annotations
 
 from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
+from rlexp.chat.session import PrefixBreak
+from rlexp.constraints import AtLeast1
 from rlexp.judges.math_exact import extract_answer, normalize
+from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
 class MultiTurnAgent:
-    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None,
-                 max_turns: int = 3, feedback: str = "Incorrect, try again.",
-                 on_prefix_break: str = "split", max_context: int | None = None):
-        self.engine, self.judge = engine, judge
+    def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,
+                 max_turns: AtLeast1 = 3, feedback: str = "Incorrect, try again.",
+                 on_prefix_break: PrefixBreak = "split", max_context: int | None = None):
+        self.judge = judge
         self.sampling = sampling or engine.sampling
         self.max_turns = max_turns
         self.feedback = feedback
-        context = max_context or getattr(engine, "max_model_len", 512)
-        self.store = SessionStore(engine, tokenizer, context, on_prefix_break)
+        self.store = SessionStore(engine, tokenizer, max_context or engine.max_model_len, on_prefix_break)
 
-    async def run(self, sample: Sample) -> list[Sample]:
-        sid = self.store.open()
-        client = self.store.client(sid, self.sampling)
+    async def rollout(self, sample: Sample) -> list[Sample]:
         messages = list(sample.prompt)
-        try:
+        async with self.store.record(self.sampling) as rec:
             for turn in range(self.max_turns):
                 seed = request_seed(self.sampling.seed, sample, turn)
-                reply = await client.chat.completions.create(messages=messages, seed=seed)
+                reply = await rec.client.chat.completions.create(messages=messages, seed=seed)
                 choice = reply.choices[0]
                 messages.append({"role": "assistant", "content": choice.message.content})
                 correct = extract_answer(choice.message.content or "") == normalize(sample.answer)
                 if correct or choice.finish_reason == "length":
                     break
                 messages.append({"role": "user", "content": self.feedback})
-        finally:
-            session = self.store.close(sid)
-        samples = session.to_samples(sample)
+        samples = rec.samples(sample)
         for s in samples:
             await self.judge.score(s)
         return samples
+
+    async def aclose(self) -> None:
+        """Nothing held between rollouts."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Literal
 
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
+from rlexp.chat.session import PrefixBreak
+from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
@@ -31,22 +34,21 @@ def load_entrypoint(spec: str):
 
 
 class OpenAIAgent:
-    def __init__(self, engine, tokenizer, judge, entrypoint: str, sampling: SamplingConfig | None = None,
-                 transport: str = "inprocess", host: str = "127.0.0.1", port: int = 0,
-                 api_key: str | None = None, on_prefix_break: str = "split"):
-        if transport not in ("inprocess", "http"):
-            raise ValueError(f"agent.transport must be 'inprocess' or 'http', got {transport!r}")
+    def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, entrypoint: str,
+                 sampling: SamplingConfig | None = None,
+                 transport: Literal["inprocess", "http"] = "inprocess", host: str = "127.0.0.1",
+                 port: int = 0, api_key: str | None = None,
+                 on_prefix_break: PrefixBreak = "split"):
         self.fn = load_entrypoint(entrypoint)
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.transport, self.host, self.port, self.api_key = transport, host, port, api_key
-        self.store = SessionStore(engine, tokenizer, getattr(engine, "max_model_len", 512), on_prefix_break)
+        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break)
         self.server: ChatServer | None = None
         self._http = None  # one openai.AsyncOpenAI for all sessions (transport=http)
 
-    async def _client(self, sid: str):
-        if self.transport == "inprocess":
-            return self.store.client(sid, self.sampling)
+    async def _http_client(self, sid: str):
+        """The real `openai` package, against rlexp's server, for session `sid`."""
         import openai
 
         if self.server is None:
@@ -57,14 +59,12 @@ class OpenAIAgent:
         # with_options shares the connection pool: no new connection per session
         return self._http.with_options(default_headers={"X-Session-Id": sid})
 
-    async def run(self, sample: Sample) -> list[Sample]:
-        sid = self.store.open(sampling=self.sampling)
+    async def rollout(self, sample: Sample) -> list[Sample]:
         task = {"messages": list(sample.prompt), "answer": sample.answer, "metadata": dict(sample.metadata)}
-        try:
-            result = await self.fn(await self._client(sid), task)
-        finally:
-            session = self.store.close(sid)
-        samples = session.to_samples(sample)
+        async with self.store.record(self.sampling) as rec:
+            client = rec.client if self.transport == "inprocess" else await self._http_client(rec.session_id)
+            result = await self.fn(client, task)
+        samples = rec.samples(sample)
         if not samples:
             raise RuntimeError(f"agent.entrypoint made no policy calls for sample {sample.uid}")
         for s in samples:

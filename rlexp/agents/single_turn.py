@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rlexp.sample import Sample, SamplingConfig, Status
+from rlexp.protocols import Judge, RolloutEngine
+from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 
 
 def render_prompt(tokenizer, messages) -> list[int]:
@@ -44,29 +45,30 @@ class PromptCache:
 
 
 class SingleTurnAgent:
-    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None):
+    def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge,
+                 sampling: SamplingConfig | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.render = PromptCache(tokenizer)
 
-    async def run(self, sample: Sample) -> Sample:
+    async def rollout(self, sample: Sample) -> Sample:
         prompt = self.render(sample.prompt)
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
         gen = await self.engine.generate(prompt, sampling)
         sample.prompt_token_ids = prompt
-        sample.tokens = prompt + gen.token_ids
-        sample.loss_mask = [0] * len(prompt) + [1] * len(gen.token_ids)
-        sample.logprobs = [0.0] * len(prompt) + gen.logprobs
-        sample.versions = [-1] * len(prompt) + gen.versions
-        sample.finish_reason = gen.finish_reason
         sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-        sample.turns = [{"role": "assistant", "text": sample.response_text,
-                         "span": [len(prompt), len(sample.tokens)], "mask": 1}]
+        sample.trace = TokenTrace()
+        sample.trace.append(prompt, role="prompt")
+        sample.trace.append(gen.token_ids, role="assistant", text=sample.response_text, generation=gen)
+        sample.finish_reason = gen.finish_reason
         if gen.finish_reason == "abort":
             sample.status = Status.ABORTED
             return sample
         sample = await self.judge.score(sample)
         sample.status = Status.COMPLETED
         return sample
+
+    async def aclose(self) -> None:
+        """Nothing held between rollouts."""

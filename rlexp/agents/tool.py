@@ -7,25 +7,28 @@ from __future__ import annotations
 
 from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
+from rlexp.chat.session import PrefixBreak
+from rlexp.constraints import AtLeast0, AtLeast1, Positive
+from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
 
 
 class ToolAgent:
-    def __init__(self, engine, tokenizer, judge, sampling: SamplingConfig | None = None,
-                 max_turns: int = 4, max_tool_calls: int = 3,
-                 tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: float = 2.0,
-                 on_prefix_break: str = "split"):
+    def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,
+                 max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
+                 tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,
+                 on_prefix_break: PrefixBreak = "split"):
         available = {"calculator": Calculator(), "python": PythonExpression(timeout_s=tool_timeout_s)}
         unknown = set(tools) - set(available)
         if unknown:
             raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(available)}")
         self.tools = {name: available[name] for name in tools}
-        self.engine, self.judge = engine, judge
+        self.judge = judge
         self.sampling = sampling or engine.sampling
         self.max_turns, self.max_tool_calls = max_turns, max_tool_calls
-        self.store = SessionStore(engine, tokenizer, getattr(engine, "max_model_len", 512), on_prefix_break)
+        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break)
 
     async def call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
         """(result text, ok)."""
@@ -38,16 +41,14 @@ class ToolAgent:
             return f"error: {type(e).__name__}: {e}", False
         return result, not result.startswith("error:")
 
-    async def run(self, sample: Sample) -> list[Sample]:
-        sid = self.store.open()
-        client = self.store.client(sid, self.sampling)
+    async def rollout(self, sample: Sample) -> list[Sample]:
         messages = list(sample.prompt)
         specs = [t.spec for t in self.tools.values()]
         calls = errors = 0
-        try:
+        async with self.store.record(self.sampling) as rec:
             for turn in range(self.max_turns):
                 seed = request_seed(self.sampling.seed, sample, turn)
-                reply = await client.chat.completions.create(messages=messages, tools=specs, seed=seed)
+                reply = await rec.client.chat.completions.create(messages=messages, tools=specs, seed=seed)
                 msg = reply.choices[0].message
                 messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
                 if not msg.tool_calls or reply.choices[0].finish_reason == "length":
@@ -61,10 +62,11 @@ class ToolAgent:
                     errors += not ok
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,
                                      "content": result})
-        finally:
-            session = self.store.close(sid)
-        samples = session.to_samples(sample)
+        samples = rec.samples(sample)
         for s in samples:
             s.metadata["metrics"] |= {"tool/calls_mean": float(calls), "tool/errors": float(errors)}
             await self.judge.score(s)
         return samples
+
+    async def aclose(self) -> None:
+        """Nothing held between rollouts (tool calls run per call)."""

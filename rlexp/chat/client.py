@@ -1,12 +1,11 @@
 """An in-process, OpenAI-shaped chat client whose every call is recorded token by token.
 
     store = SessionStore(engine, tokenizer, max_context=512)
-    sid = store.open()
-    client = store.client(sid)          # looks like openai.AsyncOpenAI()
-    r = await client.chat.completions.create(messages=[...], max_tokens=32)
-    r.choices[0].message.content, r.prompt_token_ids, r.choices[0].token_ids,
-    r.choices[0].logprobs.content[0].logprob
-    samples = store.close(sid).to_samples(template)
+    async with store.record() as rec:   # one session for one task attempt
+        r = await rec.client.chat.completions.create(messages=[...])  # as on openai.AsyncOpenAI()
+        r.choices[0].message.content, r.prompt_token_ids, r.choices[0].token_ids,
+        r.choices[0].logprobs.content[0].logprob
+    samples = rec.samples(template)     # the session's leaves as training samples
 
 The HTTP server (rlexp/chat/server.py) serves the same SessionStore."""
 
@@ -23,8 +22,10 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from rlexp.chat.session import ChatSession, SessionError
-from rlexp.sample import SamplingConfig
+from rlexp.chat.session import ChatSession, PrefixBreak
+from rlexp.errors import SessionError
+from rlexp.protocols import RolloutEngine
+from rlexp.sample import Generation, Sample, SamplingConfig
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -79,8 +80,8 @@ def _message_key(message: dict[str, Any]) -> str:
 class SessionStore:
     """Open sessions by id; turns chat requests into engine calls and OpenAI responses."""
 
-    def __init__(self, engine, tokenizer, max_context: int, on_prefix_break: str = "split",
-                 model_name: str = "policy"):
+    def __init__(self, engine: RolloutEngine, tokenizer, max_context: int,
+                 on_prefix_break: PrefixBreak = "split", model_name: str = "policy"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -112,6 +113,10 @@ class SessionStore:
     def client(self, session_id: str, sampling: SamplingConfig | None = None) -> TrackedClient:
         return TrackedClient(self, session_id, sampling or self.engine.sampling)
 
+    def record(self, sampling: SamplingConfig | None = None) -> Recording:
+        """A new session for one task attempt, closed when the `async with` block ends."""
+        return Recording(self, sampling or self.engine.sampling)
+
     async def chat(self, session_id: str, request: dict[str, Any],
                    default: SamplingConfig | None = None) -> dict[str, Any]:
         """An OpenAI chat.completion dict for `request` (the JSON body's fields)."""
@@ -126,7 +131,7 @@ class SessionStore:
                     if m.get("role") == "assistant" and _message_key(m) in raw else m
                     for m in messages]
         prompt = session.prepare(rendered, request.get("tools"))
-        sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.tokens))
+        sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.trace))
         forced = _forced_tools(request)
         if forced:
             sampling = dataclasses.replace(sampling, regex=tool_call_regex(forced))
@@ -134,7 +139,7 @@ class SessionStore:
         choices = []
         for i in range(n):
             s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            gen = await self.engine.generate(prompt.tokens, s)
+            gen = await self.engine.generate(prompt.trace.tokens, s)
             gen = _apply_stop(gen, request.get("stop"), self.tokenizer)
             session.record(prompt, gen)
             text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -159,9 +164,9 @@ class SessionStore:
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,
-            "prompt_token_ids": prompt.tokens, "session_id": session_id,
-            "usage": {"prompt_tokens": len(prompt.tokens), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt.tokens) + completion_tokens},
+            "prompt_token_ids": prompt.trace.tokens, "session_id": session_id,
+            "usage": {"prompt_tokens": len(prompt.trace.tokens), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt.trace.tokens) + completion_tokens},
         }
 
     async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +202,7 @@ class SessionStore:
             max_tokens=max_tokens, seed=request.get("seed", default.seed))
 
 
-def _apply_stop(gen, stop, tokenizer):
+def _apply_stop(gen: Generation, stop, tokenizer) -> Generation:
     """Cut a generation at the first stop string (token-aligned: whole tokens are kept)."""
     if not stop:
         return gen
@@ -206,10 +211,29 @@ def _apply_stop(gen, stop, tokenizer):
     for i, tid in enumerate(gen.token_ids):
         text += tokenizer.decode([tid], skip_special_tokens=True)
         if any(s in text for s in stops):
-            gen.token_ids, gen.logprobs = gen.token_ids[:i + 1], gen.logprobs[:i + 1]
-            gen.finish_reason = "stop"
-            break
+            return Generation(gen.token_ids[:i + 1], gen.logprobs[:i + 1], "stop", gen.versions[:i + 1])
     return gen
+
+
+class Recording:
+    """One recorded session: the agent talks through `client` inside `async with`; then
+    `samples(template)` stitches the session's leaves into training samples."""
+
+    def __init__(self, store: SessionStore, sampling: SamplingConfig):
+        self.store = store
+        self.session_id = store.open(sampling=sampling)
+        self.client = store.client(self.session_id, sampling)
+        self.session: ChatSession | None = None
+
+    async def __aenter__(self) -> Recording:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.session = self.store.close(self.session_id)
+
+    def samples(self, template: Sample) -> list[Sample]:
+        assert self.session is not None, "samples() is for after the `async with` block"
+        return self.session.to_samples(template)
 
 
 class TrackedClient:

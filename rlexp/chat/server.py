@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from rlexp.chat.session import SessionError
+from rlexp.errors import SessionError
 
 log = logging.getLogger(__name__)
 

@@ -14,53 +14,37 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from rlexp.sample import Generation, Sample, Status
+from rlexp.errors import SessionError
+from rlexp.sample import Generation, Sample, Status, TokenTrace
+
+PrefixBreak = Literal["split", "restart"]
 
 
 @dataclass
 class Branch:
-    """One path through a conversation: tokens with their mask, logprobs and versions."""
+    """One path through a conversation: its token trace and the text it decodes to."""
 
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    text: str = ""  # decode(tokens), to match the next rendering against
-    turns: list[dict[str, Any]] = field(default_factory=list)
+    trace: TokenTrace = field(default_factory=TokenTrace)
+    text: str = ""  # decode(trace.tokens), to match the next rendering against
     finish_reason: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)  # as last sent by the caller
     open: bool = True  # False once extended by a later turn (then it is not a leaf)
     segment: int = 0
 
     def copy(self) -> Branch:
-        """Copies of the token lists (cheap); turns and messages are never mutated in place."""
-        return dataclasses.replace(self, tokens=list(self.tokens), loss_mask=list(self.loss_mask),
-                                   logprobs=list(self.logprobs), versions=list(self.versions),
-                                   turns=list(self.turns), messages=list(self.messages))
-
-    def append(self, ids: list[int], *, policy: bool, logprobs: list[float] | None = None,
-               versions: list[int] | None = None, role: str = "", text: str = "") -> None:
-        start = len(self.tokens)
-        self.tokens += ids
-        self.loss_mask += [int(policy)] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += versions if versions is not None else [-1] * len(ids)
-        self.turns.append({"role": role, "text": text, "span": [start, len(self.tokens)],
-                           "mask": int(policy)})
-
-
-class SessionError(ValueError):
-    """A request the session cannot serve (bad messages, unknown session, too long)."""
+        """A copy of the trace (cheap); messages are never mutated in place."""
+        return dataclasses.replace(self, trace=self.trace.copy(), messages=list(self.messages))
 
 
 class ChatSession:
     """All branches of one conversation (one task attempt)."""
 
-    def __init__(self, tokenizer, max_context: int, on_prefix_break: str = "split"):
-        if on_prefix_break not in ("split", "restart"):
-            raise ValueError(f"on_prefix_break must be 'split' or 'restart', got {on_prefix_break!r}")
+    def __init__(self, tokenizer, max_context: int, on_prefix_break: PrefixBreak = "split"):
+        if on_prefix_break not in get_args(PrefixBreak):
+            raise ValueError(f"on_prefix_break must be one of {get_args(PrefixBreak)}, "
+                             f"got {on_prefix_break!r}")
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.on_prefix_break = on_prefix_break
@@ -91,18 +75,17 @@ class ChatSession:
                 if self.on_prefix_break == "restart":
                     self.branches.clear()
             branch = Branch(segment=segment)
-            branch.append(self.encode(rendered), policy=False, role="prompt", text=rendered)
+            branch.trace.append(self.encode(rendered), role="prompt", text=rendered)
         else:
             parent.open = False
             branch = parent.copy()
             branch.open = True
             suffix = rendered[len(parent.text):]
-            branch.append(self.encode(suffix), policy=False, role=messages[-1].get("role", ""),
-                          text=suffix)
+            branch.trace.append(self.encode(suffix), role=messages[-1].get("role", ""), text=suffix)
         branch.text = rendered
         branch.messages = list(messages)
-        if len(branch.tokens) >= self.max_context:
-            raise SessionError(f"prompt has {len(branch.tokens)} tokens; the context is "
+        if len(branch.trace) >= self.max_context:
+            raise SessionError(f"prompt has {len(branch.trace)} tokens; the context is "
                                f"{self.max_context}")
         return branch
 
@@ -120,8 +103,7 @@ class ChatSession:
         """Add one completion of `prompt` as a new open branch (n > 1: call once per choice)."""
         branch = prompt.copy()
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-        branch.append(gen.token_ids, policy=True, logprobs=gen.logprobs, versions=gen.versions,
-                      role="assistant", text=text)
+        branch.trace.append(gen.token_ids, role="assistant", text=text, generation=gen)
         branch.text = prompt.text + text
         branch.finish_reason = gen.finish_reason
         branch.open = True
@@ -132,7 +114,7 @@ class ChatSession:
     # ---- stitching ----------------------------------------------------------------------
     def leaves(self) -> list[Branch]:
         """Branches nobody continued and that hold policy tokens: one training sample each."""
-        return [b for b in self.branches if b.open and any(b.loss_mask)]
+        return [b for b in self.branches if b.open and any(b.trace.loss_mask)]
 
     def to_samples(self, template: Sample) -> list[Sample]:
         """One Sample per leaf; leaves share their common prefix tokens."""
@@ -141,16 +123,14 @@ class ChatSession:
             s = copy.copy(template) if i else template
             s.metadata = dict(template.metadata) | {"branch": i, "segment": leaf.segment,
                                                      "prefix_breaks": self.prefix_breaks}
-            first_policy = leaf.loss_mask.index(1)
-            s.prompt_token_ids = leaf.tokens[:first_policy]
-            s.tokens, s.loss_mask = leaf.tokens, leaf.loss_mask
-            s.logprobs, s.versions = leaf.logprobs, leaf.versions
-            s.turns, s.finish_reason = leaf.turns, leaf.finish_reason
+            first_policy = leaf.trace.loss_mask.index(1)
+            s.prompt_token_ids = leaf.trace.tokens[:first_policy]
+            s.trace, s.finish_reason = leaf.trace, leaf.finish_reason
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages
-            s.response_text = next((t["text"] for t in reversed(leaf.turns) if t["mask"]), "")
+            s.response_text = next((t["text"] for t in reversed(leaf.trace.turns) if t["mask"]), "")
             s.metadata["metrics"] = {
-                "multiturn/turns_mean": float(sum(t["mask"] for t in leaf.turns)),
+                "multiturn/turns_mean": float(sum(t["mask"] for t in leaf.trace.turns)),
                 # counted once per session, on its first sample
                 "multiturn/prefix_breaks": float(self.prefix_breaks if i == 0 else 0)}
             s.status = Status.COMPLETED

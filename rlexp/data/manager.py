@@ -1,12 +1,12 @@
-"""DataManager: draws prompt groups, holds the replay buffer, forms train batches."""
+"""DataManager: draws prompt groups from a split, in a resumable order."""
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
-from rlexp.data.sources import Problem
-from rlexp.sample import Sample, Status
+from rlexp.constraints import AtLeast1
+from rlexp.data.sources import Problem, PromptSource
+from rlexp.sample import Sample
 
 
 class DataManager:
@@ -15,18 +15,16 @@ class DataManager:
     Train splits are reshuffled every epoch (by `seed`); other splits keep file order,
     so an evaluation over `len(manager)` prompts covers each exactly once."""
 
-    def __init__(self, source, prompts_per_step: int, samples_per_prompt: int, seed: int,
-                 split: str = "train", replay_buffer_size: int = 4096):
+    def __init__(self, source: PromptSource, prompts_per_step: AtLeast1, samples_per_prompt: AtLeast1,
+                 seed: int, split: str = "train"):
         self.problems: list[Problem] = source.problems(split)
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
         self.split = split
-        self.replay_buffer_size = replay_buffer_size
         self.seed = seed
         self._rng = random.Random(seed)
         self._order: list[int] = []
         self._next_group = 0
-        self._buffer: deque[list[Sample]] = deque()
         self._new_epoch()  # now, not on the first draw: keep the shuffle off the rollout path
 
     def __len__(self) -> int:
@@ -55,26 +53,10 @@ class DataManager:
                            for i in range(self.samples_per_prompt)])
         return groups
 
-    def put(self, groups: list[list[Sample]]) -> None:
-        """Add finished groups to the replay buffer (oldest dropped past its size)."""
-        for g in groups:
-            self._buffer.append(g)
-            while len(self._buffer) > self.replay_buffer_size:
-                for s in self._buffer.popleft():
-                    s.status = Status.ARCHIVED
-
-    def get_batch(self, n_groups: int | None = None) -> list[Sample]:
-        """Pop up to `n_groups` (default `prompts_per_step`) groups, oldest first."""
-        n = self.prompts_per_step if n_groups is None else n_groups
-        batch: list[Sample] = []
-        for _ in range(min(n, len(self._buffer))):
-            batch.extend(self._buffer.popleft())
-        return batch
-
     def state_dict(self) -> dict:
-        """The position in the data (shuffle state, epoch order, next group id) and the buffer."""
+        """The position in the data: shuffle state, epoch order, next group id."""
         return {"rng": self._rng.getstate(), "order": list(self._order), "next_group": self._next_group,
-                "buffer": list(self._buffer), "n_problems": len(self.problems)}
+                "n_problems": len(self.problems)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_problems"] != len(self.problems):
@@ -83,8 +65,3 @@ class DataManager:
         self._rng.setstate(state["rng"])
         self._order = list(state["order"])
         self._next_group = state["next_group"]
-        self._buffer = deque(state["buffer"])
-
-    @property
-    def buffered_groups(self) -> int:
-        return len(self._buffer)

@@ -9,6 +9,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rlexp.data import arithmetic
 
@@ -18,6 +19,12 @@ class Problem:
     messages: list[dict[str, str]]
     answer: str
     where: str = ""  # file:line, for error messages
+
+
+class PromptSource(Protocol):
+    def problems(self, split: str) -> list[Problem]:
+        """The prompts of a split ("train" or "eval"), in a fixed order."""
+        ...
 
 
 def _messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:

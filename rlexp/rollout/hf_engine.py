@@ -4,13 +4,16 @@ without vLLM. Concurrent requests with equal sampling settings are batched toget
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import astuple
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlexp.rollout.base import BusyMeter, count_generated
+from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
+from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.weights import WEIGHTS_FILE
 from rlexp.sample import Generation, SamplingConfig
 
 
@@ -18,12 +21,12 @@ class HFEngine:
     def __init__(
         self,
         model_path: str,
-        seed: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_response_tokens: int = 16,
-        max_model_len: int = 512,
-        max_batch_size: int = 256,
+        seed: int,
+        temperature: Temperature = 1.0,
+        top_p: TopP = 1.0,
+        max_response_tokens: AtLeast1 = 16,
+        max_model_len: AtLeast2 = 512,
+        max_batch_size: AtLeast1 = 256,
         dtype: str = "float32",
     ):
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
@@ -112,10 +115,10 @@ class HFEngine:
             gens.append(Generation(ids, lps, finish, [self.version] * len(ids)))
         return gens
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        async with self._lock:
-            self.model.load_state_dict(state_dict)
-            self.version += 1
+    async def load_weights(self, directory: Path, version: int) -> None:
+        async with self._lock:  # not while a batch generates
+            self.model.load_state_dict(load_file(str(directory / WEIGHTS_FILE), device=self.device))
+            self.version = version
 
     async def pause(self, interrupt: bool) -> None:
         """Waits for the batch being generated: `generate` cannot be cut short, so partial

@@ -7,19 +7,17 @@ import contextlib
 import gc
 import itertools
 import logging
-import shutil
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from rlexp.faults import EngineDead
+from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
+from rlexp.errors import EngineDead
 from rlexp.rollout import reaper
-from rlexp.rollout.base import BusyMeter, count_generated, save_state_dict
+from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -28,19 +26,19 @@ log = logging.getLogger(__name__)
 class VLLMEngine:
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
-    Weight sync: the trainer's state dict is written as safetensors to a RAM-backed
-    directory and the engine's workers reload it in place (`reload_weights`)."""
+    Weights: `load_weights` reloads a safetensors file in place in the engine's workers
+    (`reload_weights`); see rlexp/rollout/weights.py."""
 
     def __init__(
         self,
         model_path: str,
-        seed: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_response_tokens: int = 16,
+        seed: int,
+        temperature: Temperature = 1.0,
+        top_p: TopP = 1.0,
+        max_response_tokens: AtLeast1 = 16,
         dtype: str = "float32",
-        max_model_len: int = 512,
-        max_num_seqs: int = 256,
+        max_model_len: AtLeast2 = 512,
+        max_num_seqs: AtLeast1 = 256,
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.3,
         enable_sleep_mode: bool = False,
@@ -79,15 +77,13 @@ class VLLMEngine:
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
         self.sleeps = enable_sleep_mode and on_gpu
-        self.version = 0
+        self.version = 0  # the weights at model_path; the loop names each later version
         self._ids = itertools.count()
         self._running = asyncio.Event()  # cleared while paused for a weight update
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
         self.busy = BusyMeter()
         self.counters: Counter[str] = Counter()
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-        self._weights_dir = Path(tempfile.mkdtemp(prefix="rlexp-weights-", dir=shm))
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
@@ -180,12 +176,12 @@ class VLLMEngine:
             await self.llm.resume_generation()
         self._running.set()
 
-    async def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        save_state_dict(state_dict, self._weights_dir)
+    async def load_weights(self, directory: Path, version: int) -> None:
+        """Reload `directory/model.safetensors` in place; from now on tokens carry `version`."""
         with self._engine_alive():
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        self.version += 1
+        self.version = version
 
     async def sleep(self) -> None:
         if self.sleeps:
@@ -206,4 +202,3 @@ class VLLMEngine:
         # (TypeError) when it only runs during interpreter exit.
         self.llm = None
         gc.collect()
-        shutil.rmtree(self._weights_dir, ignore_errors=True)

@@ -12,18 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rlexp.sample import Sample, Status
-from rlexp.schedulers.sync import SyncScheduler, has_no_signal, run_group, trained_tokens
+from rlexp.constraints import AtLeast0, Fraction
+from rlexp.data.manager import DataManager
+from rlexp.protocols import Agent, RolloutEngine
+from rlexp.sample import Sample, Status, staleness
+from rlexp.schedulers.sync import SyncScheduler, has_no_signal, rollout_group, trained_tokens
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class GroupRun:
+class GroupRollout:
+    """One prompt group from launch to batch."""
+
     index: int  # launch order; batches take accepted groups in this order
-    start_version: int
+    start_version: int  # policy version served when it was launched
     fresh: list[Sample]  # untouched copies of the prompts, to re-roll the group
     tail: bool = False  # a re-roll of a set-aside group: never set aside again
     task: asyncio.Task | None = None
@@ -59,31 +65,34 @@ class AsyncScheduler(SyncScheduler):
     With η = 0 and no over-sampling this is exactly the SyncScheduler: the same groups,
     launched together, trained in the same order."""
 
-    def __init__(self, staleness_threshold: int = 1, enable_partial_rollout: bool = True,
-                 tail_batch_candidate_step: int = 0, tail_batch_trigger_size: int = 0,
-                 over_sample_groups: int = 0, filter_zero_variance: bool = False,
-                 max_failure_fraction: float = 0.5):
+    overlaps_training = True  # generates while the trainer trains
+
+    def __init__(self, staleness_threshold: AtLeast0 = 1, enable_partial_rollout: bool = True,
+                 tail_batch_candidate_step: AtLeast0 = 0, tail_batch_trigger_size: AtLeast0 = 0,
+                 over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False,
+                 max_failure_fraction: Fraction = 0.5):
         super().__init__(filter_zero_variance, max_failure_fraction=max_failure_fraction)
         self.staleness_threshold = staleness_threshold
         self.enable_partial_rollout = enable_partial_rollout
         self.tail_candidate_step = tail_batch_candidate_step
         self.tail_trigger_size = tail_batch_trigger_size
         self.over_sample_groups = over_sample_groups
-        self.version = 0
+        self._version = 0  # the policy version the engine serves, as the loop last said
         self._batch_groups = 0
-        self._running: list[GroupRun] = []
-        self._accepted: list[GroupRun] = []
-        self._set_aside: list[GroupRun] = []
+        self._running: list[GroupRollout] = []
+        self._accepted: list[GroupRollout] = []
+        self._set_aside: list[GroupRollout] = []
         self._launched = 0
         self._trained_groups = 0
         self._syncing = False
-        self._restored: list[GroupRun] = []  # in flight at the checkpoint: relaunched on resume
+        self._restored: list[GroupRollout] = []  # in flight at the checkpoint: relaunched on resume
         self._producer: asyncio.Task | None = None
         self._wake_producer = asyncio.Event()
         self._wake_consumer = asyncio.Event()
 
     # ---- consumer side (the training loop) ---------------------------------------------
-    async def produce_batch(self, data, agent) -> list[Sample]:
+    async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
+        self._version = version  # already so after a sync; on the first call, set before any launch
         if self._producer is None:
             self._batch_groups = data.prompts_per_step
             for r in self._restored:
@@ -111,18 +120,18 @@ class AsyncScheduler(SyncScheduler):
             self.counts["rollout/untrained_tokens"] += r.meter[0] - trained_tokens(r.samples)
         self.counts["rollout/tail_groups"] += sum(r.tail for r in taken)
         self._wake_producer.set()
-        data.put([r.samples for r in taken])
-        return data.get_batch(len(taken))
+        return [s for r in taken for s in r.samples]
 
-    async def sync_weights(self, trainer, engine) -> None:
+    async def sync_weights(self, engine: RolloutEngine, publish: Callable[[], Awaitable[None]],
+                           version: int) -> None:
         self._syncing = True  # no launches while the engine is paused
         try:
             await engine.pause(interrupt=self.enable_partial_rollout)
             try:
-                await trainer.sync_weights(engine)
+                await publish()
             finally:
                 await engine.resume()
-            self.version = engine.version
+            self._version = version
         finally:
             self._syncing = False
             self._wake_producer.set()
@@ -133,18 +142,17 @@ class AsyncScheduler(SyncScheduler):
         the bound still applies after resume); groups in flight or set aside are kept as
         their prompts and start again from scratch on resume, under the restored policy."""
         def prompts(runs):
-            return [GroupRun(r.index, r.start_version, r.fresh, r.tail) for r in runs]
+            return [GroupRollout(r.index, r.start_version, r.fresh, r.tail) for r in runs]
 
         return super().state_dict() | {
-            "version": self.version, "launched": self._launched, "trained_groups": self._trained_groups,
-            "accepted": [GroupRun(r.index, r.start_version, r.fresh, r.tail, meter=list(r.meter),
-                                  samples=r.samples) for r in self._accepted],
+            "launched": self._launched, "trained_groups": self._trained_groups,
+            "accepted": [GroupRollout(r.index, r.start_version, r.fresh, r.tail, meter=list(r.meter),
+                                      samples=r.samples) for r in self._accepted],
             "in_flight": prompts(r for r in self._running if r.cancelled is None) + prompts(self._restored),
             "set_aside": prompts(self._set_aside)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.version = state["version"]
         self._launched, self._trained_groups = state["launched"], state["trained_groups"]
         self._accepted, self._set_aside = state["accepted"], state["set_aside"]
         self._restored = state["in_flight"]
@@ -156,7 +164,7 @@ class AsyncScheduler(SyncScheduler):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- producer side (background task) -----------------------------------------------
-    async def _produce(self, data, agent) -> None:
+    async def _produce(self, data: DataManager, agent: Agent) -> None:
         while True:
             self._wake_producer.clear()
             if not self._syncing:
@@ -178,11 +186,11 @@ class AsyncScheduler(SyncScheduler):
                 self.reject(r.samples, Status.FILTERED, r.meter[0])
             else:
                 self._accepted.append(r)
-        for r in [r for r in self._accepted if any(s.staleness(self.version) > eta for s in r.samples)]:
+        for r in [r for r in self._accepted if any(s.staleness(self._version) > eta for s in r.samples)]:
             self._accepted.remove(r)
             self.reject(r.samples, Status.EXPIRED, r.meter[0])
         for r in [r for r in self._running if r.cancelled is None]:
-            age = self.version - r.start_version
+            age = staleness(self._version, r.start_version)  # of the tokens it may still produce
             if not r.tail and self.tail_candidate_step and age >= self.tail_candidate_step:
                 r.cancelled = Status.ABORTED
                 self._set_aside.append(r)
@@ -191,7 +199,7 @@ class AsyncScheduler(SyncScheduler):
                 r.cancelled = Status.EXPIRED
                 r.task.cancel()
 
-    def _launch(self, data, agent) -> None:
+    def _launch(self, data: DataManager, agent: Agent) -> None:
         k = self.tail_trigger_size
         if k and len(self._set_aside) >= k:
             tails, self._set_aside = self._set_aside[:k], self._set_aside[k:]
@@ -199,17 +207,17 @@ class AsyncScheduler(SyncScheduler):
             for r in tails:
                 self._start(agent, fresh_copies(r.fresh), tail=True)
         active = sum(1 for r in self._running if r.cancelled is None)
-        capacity = ((self.version + self.staleness_threshold + 1) * self._batch_groups
+        capacity = ((self._version + self.staleness_threshold + 1) * self._batch_groups
                     + self.over_sample_groups)
         admitted = self._trained_groups + len(self._accepted) + active
         if admitted < capacity:
             for group in data.sample_groups(capacity - admitted):
                 self._start(agent, group)
 
-    def _start(self, agent, group: list[Sample], tail: bool = False, index: int | None = None) -> None:
+    def _start(self, agent: Agent, group: list[Sample], tail: bool = False, index: int | None = None) -> None:
         if index is None:
             index, self._launched = self._launched, self._launched + 1
-        run = GroupRun(index, self.version, fresh_copies(group), tail)
-        run.task = asyncio.create_task(run_group(agent, group, run.meter))
-        run.task.add_done_callback(lambda _: self._wake_producer.set())
-        self._running.append(run)
+        rollout = GroupRollout(index, self._version, fresh_copies(group), tail)
+        rollout.task = asyncio.create_task(rollout_group(agent, group, rollout.meter))
+        rollout.task.add_done_callback(lambda _: self._wake_producer.set())
+        self._running.append(rollout)

@@ -6,9 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
-from rlexp.faults import EngineDead, fault_reason
-from rlexp.rollout.base import generated_tokens
+from rlexp.constraints import AtLeast1, Fraction
+from rlexp.data.manager import DataManager
+from rlexp.errors import EngineDead
+from rlexp.guards import fault_reason
+from rlexp.protocols import Agent, RolloutEngine
+from rlexp.rollout.accounting import generated_tokens
 from rlexp.sample import Sample, Status
 
 log = logging.getLogger(__name__)
@@ -32,11 +37,11 @@ def collect(samples: list[Sample], results: list) -> list[list[Sample]]:
     return list(groups.values())
 
 
-async def run_group(agent, group: list[Sample], meter: list[int]) -> list[Sample]:
+async def rollout_group(agent: Agent, group: list[Sample], meter: list[int]) -> list[Sample]:
     """Roll out one prompt group; engines add every token they generate for it to `meter`.
     Run it as its own task: the meter is set in the task's context."""
     generated_tokens.set(meter)
-    results = await asyncio.gather(*(agent.run(s) for s in group), return_exceptions=True)
+    results = await asyncio.gather(*(agent.rollout(s) for s in group), return_exceptions=True)
     return [s for g in collect(group, results) for s in g]
 
 
@@ -54,19 +59,19 @@ class SyncScheduler:
     """`filter_zero_variance`: drop groups without reward variance (status FILTERED) and
     roll out replacements, up to `max_filter_rounds` rounds per step (DAPO's dynamic sampling)."""
 
-    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: int = 4,
-                 max_failure_fraction: float = 0.5):
+    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: AtLeast1 = 4,
+                 max_failure_fraction: Fraction = 0.5):
         self.filter_zero_variance = filter_zero_variance
         self.max_filter_rounds = max_filter_rounds
-        self.max_failure_fraction = max_failure_fraction  # the runner stops past it (checked per step)
+        self.max_failure_fraction = max_failure_fraction  # the loop stops past it (checked per step)
         self.counts: Counter[str] = Counter()
 
-    async def produce_batch(self, data, agent) -> list[Sample]:
+    async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
         kept: list[list[Sample]] = []
         for _ in range(self.max_filter_rounds if self.filter_zero_variance else 1):
             groups = data.sample_groups(data.prompts_per_step - len(kept))
             meters = [[0] for _ in groups]
-            done = await asyncio.gather(*(run_group(agent, g, m) for g, m in zip(groups, meters)))
+            done = await asyncio.gather(*(rollout_group(agent, g, m) for g, m in zip(groups, meters)))
             for group, meter in zip(done, meters):
                 if self.filter_zero_variance and has_no_signal(group):
                     self.reject(group, Status.FILTERED, meter[0])
@@ -75,8 +80,7 @@ class SyncScheduler:
                     kept.append(group)
             if len(kept) == data.prompts_per_step:
                 break
-        data.put(kept)
-        return data.get_batch(len(kept))
+        return [s for group in kept for s in group]
 
     def reject(self, group: list[Sample], status: Status, generated: int) -> None:
         for s in group:
@@ -85,8 +89,10 @@ class SyncScheduler:
         self.counts[f"samples/{status.value}"] += len(group)
         self.counts["rollout/untrained_tokens"] += generated
 
-    async def sync_weights(self, trainer, engine) -> None:
-        await trainer.sync_weights(engine)
+    async def sync_weights(self, engine: RolloutEngine, publish: Callable[[], Awaitable[None]],
+                           version: int) -> None:
+        """Nothing is generating between batches: publish right away."""
+        await publish()
 
     def pop_counts(self) -> dict[str, float]:
         """Counts since the last call: samples rejected before reaching a batch, tokens

@@ -1,7 +1,7 @@
 """GRPO TrainController: old/ref logprobs, group advantages, clipped token-level loss, sync.
 
-`fit(batch)` = compute_old_logprobs (or the rollout's behaviour logprobs)
-             -> compute_ref_logprobs -> compute_advantages -> train.
+`fit(batch, version)` = compute_old_logprobs (or the rollout's behaviour logprobs)
+                      -> compute_ref_logprobs -> compute_advantages -> update.
 Per-token tensors are aligned to `Sample.tokens`; entry k is log p(token k | tokens < k),
 entry 0 is unused (0)."""
 
@@ -10,11 +10,17 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 import torch
+from annotated_types import Ge
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from rlexp.constraints import AtLeast1, NonNegative, Positive
+from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
 from rlexp.trainer.advantages import group_advantages
 from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl, truncated_is_pg_loss
@@ -23,10 +29,13 @@ from rlexp.trainer.packer import PackedRow, pack
 log = logging.getLogger(__name__)
 
 
-def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+LrSchedule = Literal["constant", "cosine"]
+
+
+def lr_factor(schedule: LrSchedule, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base lr at RL step t: linear warm-up, then constant or cosine to 10%."""
-    if schedule not in ("constant", "cosine"):
-        raise ValueError(f"trainer.lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+    if schedule not in get_args(LrSchedule):
+        raise ValueError(f"trainer.lr_schedule must be one of {get_args(LrSchedule)}, got {schedule!r}")
 
     def factor(t: int) -> float:
         if t < warmup_steps:
@@ -40,33 +49,30 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 class GRPOTrainer:
+    min_samples_per_prompt = 2  # advantages compare the samples of one prompt
+
     def __init__(
         self,
         model_path: str,
-        temperature: float,
+        temperature: Positive,
         optimizer: Callable[..., torch.optim.Optimizer],
-        total_steps: int,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.2,
-        kl_coef: float = 0.0,
+        total_steps: AtLeast1,
+        clip_ratio_low: NonNegative = 0.2,
+        clip_ratio_high: NonNegative = 0.2,
+        kl_coef: NonNegative = 0.0,
         track_ref_kl: bool = True,
         entropy_coef: float = 0.0,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: Positive = 1.0,
         norm_adv_by_std: bool = True,
-        old_logprobs: str = "rollout",
-        off_policy_correction: str = "none",
-        is_cap: float = 2.0,
-        lr_schedule: str = "constant",
+        old_logprobs: Literal["rollout", "recompute"] = "rollout",
+        off_policy_correction: Literal["none", "decoupled", "tis"] = "none",
+        is_cap: Annotated[float, Ge(1)] = 2.0,
+        lr_schedule: LrSchedule = "constant",
         warmup_steps: int = 0,
-        minibatches_per_step: int = 1,
-        micro_batch_tokens: int = 8192,
+        minibatches_per_step: AtLeast1 = 1,
+        micro_batch_tokens: AtLeast1 = 8192,
         dtype: str = "float32",
     ):
-        if old_logprobs not in ("rollout", "recompute"):
-            raise ValueError(f"trainer.old_logprobs must be 'rollout' or 'recompute', got {old_logprobs!r}")
-        if off_policy_correction not in ("none", "decoupled", "tis"):
-            raise ValueError("trainer.off_policy_correction must be 'none', 'decoupled' or 'tis', "
-                             f"got {off_policy_correction!r}")
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).train()
@@ -86,7 +92,6 @@ class GRPOTrainer:
         self.old_logprobs = old_logprobs
         self.correction = off_policy_correction
         self.is_cap = is_cap
-        self.version = 0  # policy version being trained = fits done = weight syncs done
         self.minibatches_per_step = minibatches_per_step
         self.micro_batch_tokens = micro_batch_tokens
 
@@ -108,12 +113,12 @@ class GRPOTrainer:
                   for i, s in enumerate(batch)]
         return group_advantages(rewards, groups, self.norm_adv_by_std)
 
-    def train(self, batch: list[Sample], old: list[torch.Tensor], adv: torch.Tensor,
-              ref: list[torch.Tensor] | None = None, update: bool = True,
-              behav: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """Optimizer steps over `minibatches_per_step` slices of the batch. `old`: the
-        proximal logprobs the PPO ratio is clipped around; `behav`: the rollout's (default
-        `old`)."""
+    def update(self, batch: list[Sample], version: int, old: list[torch.Tensor], adv: torch.Tensor,
+               ref: list[torch.Tensor] | None = None, step: bool = True,
+               behav: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Optimizer steps (none if not `step`) over `minibatches_per_step` slices of the
+        batch. `old`: the proximal logprobs the PPO ratio is clipped around; `behav`: the
+        rollout's (default `old`); `version`: the policy version being trained."""
         behav = old if behav is None else behav
         idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
         stats: dict[str, list[float]] = {}
@@ -123,10 +128,10 @@ class GRPOTrainer:
             part = idx[m::n_mb]
             if not part:
                 continue
-            self._train_minibatch([batch[i] for i in part], [old[i] for i in part],
-                                  adv[part], None if ref is None else [ref[i] for i in part],
-                                  stats, first=m == 0, update=update, behav=[behav[i] for i in part],
-                                  offpolicy=offpolicy)
+            self._update_minibatch([batch[i] for i in part], version, [old[i] for i in part],
+                                   adv[part], None if ref is None else [ref[i] for i in part],
+                                   stats, first=m == 0, step=step, behav=[behav[i] for i in part],
+                                   offpolicy=offpolicy)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         # Trainer vs rollout, by staleness, measured before the first optimizer step.
         for k, (n, ratio_sum, kl_sum) in sorted(offpolicy.items()):
@@ -135,7 +140,7 @@ class GRPOTrainer:
             out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
         return out
 
-    def fit(self, batch: list[Sample]) -> dict[str, float]:
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
         behav = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
         if self.old_logprobs == "recompute" or self.correction == "decoupled":
             old = self.compute_old_logprobs(batch)  # the proximal policy: these weights
@@ -147,27 +152,27 @@ class GRPOTrainer:
         # step would still move the weights on Adam's momentum from earlier steps, so skip it
         # (the forward still runs: loss, entropy and KL are logged as on any step).
         no_signal = not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0
-        metrics = self.train(batch, old, adv, ref, update=not no_signal, behav=behav)
+        metrics = self.update(batch, version, old, adv, ref, step=not no_signal, behav=behav)
         metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()  # one schedule step per fit (per RL step)
-        self.version += 1
         return metrics
 
-    async def sync_weights(self, engine) -> None:
-        await engine.update_weights(self.model.state_dict())
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.state_dict().items()
 
-    def state_dict(self) -> dict:
-        """Everything but the weights (saved separately, as safetensors)."""
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                "version": self.version}
+    def save(self, directory: Path) -> None:
+        """`model.safetensors` (the policy) and `trainer.pt` (optimizer, lr schedule)."""
+        save_safetensors(self.weights(), directory)
+        torch.save({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
+                   directory / "trainer.pt")
 
-    def load_state_dict(self, state: dict, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(weights)
+    def load(self, directory: Path) -> None:
+        self.model.load_state_dict(load_file(str(directory / WEIGHTS_FILE), device=self.device))
+        state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.version = state["version"]
 
     # ---- internals -----------------------------------------------------------------
     def _rows(self, samples: list[Sample]) -> list[PackedRow]:
@@ -199,8 +204,8 @@ class GRPOTrainer:
                 start += n
         return out
 
-    def _train_minibatch(self, samples, old, adv, ref, stats, offpolicy, first: bool, update: bool = True,
-                         behav=None) -> None:
+    def _update_minibatch(self, samples, version, old, adv, ref, stats, offpolicy, first: bool,
+                          step: bool = True, behav=None) -> None:
         n_tokens = sum(s.response_length for s in samples)
         low, high = self.clip
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
@@ -210,7 +215,7 @@ class GRPOTrainer:
         masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
         advs = [torch.full((len(s.tokens),), adv[i].item()) for i, s in enumerate(samples)]
         # Samples built by hand may carry no versions: count them as on-policy.
-        stale = [torch.tensor([self.version - v for v in s.versions] if s.versions else [0] * len(s.tokens))
+        stale = [torch.tensor(s.token_staleness(version) if s.versions else [0] * len(s.tokens))
                  for s in samples]
         for row in self._rows(samples):
             logp, ent = self._row_forward(self.model, row, samples, entropy=True)
@@ -258,7 +263,7 @@ class GRPOTrainer:
                 acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
                 self._offpolicy_by_staleness(offpolicy, logp.detach(), behav_lp, cat(stale), mask.bool())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if update:
+        if step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         acc["grad_norm"] = grad_norm.item()

@@ -1,0 +1,21 @@
+"""Allowed values of constructor arguments, stated once, in the signature:
+
+    def __init__(self, total_steps: AtLeast1, lr_schedule: Literal["constant", "cosine"] = ...)
+
+`rlexp.config.check_arguments` checks a config node against its `_target_`'s signature with
+these (before anything expensive starts), and a type checker checks Python callers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from annotated_types import Ge, Gt, Le
+
+AtLeast0 = Annotated[int, Ge(0)]
+AtLeast1 = Annotated[int, Ge(1)]
+AtLeast2 = Annotated[int, Ge(2)]
+Positive = Annotated[float, Gt(0)]
+NonNegative = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Ge(0), Le(1)]
+Temperature = Annotated[float, Gt(0)]
+TopP = Annotated[float, Gt(0), Le(1)]

@@ -1,0 +1,43 @@
+"""Every error rlexp raises on purpose, in one place.
+
+Bad input, reported as one line before anything expensive starts:
+    ConfigError      a config value, data file or prompt that cannot work
+    SessionError     a chat request the policy server cannot serve (answered with a 4xx)
+    CheckpointError  no usable checkpoint where one was asked for
+One sample goes wrong (the run goes on; the reason lands in the sample's trace):
+    JudgeError       the judge raised, hung, or returned a reward that is not a finite number
+    InjectedFault    raised on purpose by the faulty agent / judge (fire drills, tests)
+The run cannot usefully go on (it stops with the reason and the resume command):
+    RunStopped       too many failed samples in a step
+    EngineDead       the rollout engine's process died
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A bad config value, reported as one line before anything expensive starts."""
+
+
+class SessionError(ValueError):
+    """A request the chat session cannot serve (bad messages, unknown session, too long)."""
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+class JudgeError(RuntimeError):
+    """The judge could not score a sample (raised, hung, or returned a non-finite reward)."""
+
+
+class InjectedFault(RuntimeError):
+    """The error a faulty agent or judge raises on purpose."""
+
+
+class RunStopped(RuntimeError):
+    """The run cannot usefully go on; the message says why and how to resume."""
+
+
+class EngineDead(RunStopped):
+    """The rollout engine's process died; every request from now on would fail."""

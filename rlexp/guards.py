@@ -1,0 +1,74 @@
+"""Guards that keep one bad sample from stopping a run.
+
+Per sample (the run goes on and counts them; the reason is in the sample's trace, `error`):
+- the agent raises             -> FAILED
+- the agent hangs (timeout_s)  -> ABORTED
+- the judge raises, hangs, or returns a reward that is not a finite number -> FAILED
+Per run (`RunStopped`, see rlexp/errors.py): too many failed samples in a step, or the
+rollout engine died.
+
+Each guard is configured by the `guard` sub-node of its component's config group, whose keys
+are the guard's arguments (`agent.guard.timeout_s=5`)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Annotated
+
+from annotated_types import Gt
+
+from rlexp.errors import JudgeError
+from rlexp.protocols import Agent, Judge
+from rlexp.sample import Sample, Status
+
+Timeout = Annotated[float, Gt(0)] | None
+
+
+class AgentGuard:
+    """Wraps an agent: a rollout longer than `timeout_s` is cancelled and the sample ABORTED
+    with the reason. Exceptions pass through (the scheduler marks the sample FAILED with them)."""
+
+    def __init__(self, agent: Agent, timeout_s: Timeout = None):
+        self.agent = agent
+        self.timeout_s = timeout_s
+
+    async def rollout(self, sample: Sample) -> Sample | list[Sample]:
+        if self.timeout_s is None:
+            return await self.agent.rollout(sample)
+        try:
+            return await asyncio.wait_for(self.agent.rollout(sample), self.timeout_s)
+        except TimeoutError:
+            sample.status = Status.ABORTED
+            sample.metadata["error"] = f"agent timed out after {self.timeout_s:g}s (agent.guard.timeout_s)"
+            return sample
+
+    async def aclose(self) -> None:
+        await self.agent.aclose()
+
+
+class JudgeGuard:
+    """Wraps a judge: a timeout, an exception or a NaN/inf reward raises JudgeError with the
+    reason, which fails that sample (not the run)."""
+
+    def __init__(self, judge: Judge, timeout_s: Timeout = None):
+        self.judge = judge
+        self.timeout_s = timeout_s
+
+    async def score(self, sample: Sample) -> Sample:
+        try:
+            scored = await asyncio.wait_for(self.judge.score(sample), self.timeout_s)
+        except TimeoutError:
+            raise JudgeError(f"judge timed out after {self.timeout_s:g}s (judge.guard.timeout_s)") from None
+        except Exception as e:
+            raise JudgeError(f"judge raised {type(e).__name__}: {e}") from e
+        if not isinstance(scored.reward, (int, float)) or not math.isfinite(scored.reward):
+            raise JudgeError(f"judge returned a reward that is not a finite number: {scored.reward!r}")
+        return scored
+
+
+def fault_reason(e: BaseException) -> str:
+    return str(e) if isinstance(e, JudgeError) else f"agent raised {type(e).__name__}: {e}"
+
+
+GUARDS: dict[str, type] = {"agent": AgentGuard, "judge": JudgeGuard}  # group -> its `guard` sub-node's class

@@ -1,0 +1,283 @@
+"""The RL loop as one recipe: setup -> train -> cleanup.
+
+    loop = RLLoop(cfg, run_dir)
+    final = await loop.execute(tags, resume_from)   # setup, restore, train, cleanup
+
+`train` is one `for step` doing produce -> fit -> sync -> log -> evaluate -> checkpoint.
+
+Who owns what:
+- the loop owns the policy version (`self.version`: weight versions published so far). It
+  passes it to the scheduler (which batch trains it), the trainer (staleness per token) and
+  the weight transport (the engine then serves that version); nobody else counts it.
+- the trainer owns its weights and optimizer, and writes them into a checkpoint (`save`/`load`);
+  the loop saves the rest beside them: step, version, data positions, scheduler, RNGs.
+- the weight transport carries the trainer's weights to the engine (rlexp/rollout/weights.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from rlexp import checkpoint
+from rlexp.agents.single_turn import render_prompt
+from rlexp.config import RUN_CONFIG, derived, validate_data, validate_lengths
+from rlexp.data.manager import DataManager
+from rlexp.errors import ConfigError, EngineDead, RunStopped
+from rlexp.guards import AgentGuard, JudgeGuard
+from rlexp.metrics import failure_report, rollout_metrics
+from rlexp.protocols import Agent, Evaluator, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
+from rlexp.sample import Sample, SamplingConfig, set_uid_counter, uid_counter
+from rlexp.schedulers.sync import SyncScheduler
+
+log = logging.getLogger("rlexp")
+
+
+def build(cfg: DictConfig, group: str, **runtime: Any) -> Any:
+    """Instantiate `cfg[group]` from its `_target_`; `runtime` objects are passed by keyword."""
+    injected = f" (+ {', '.join(runtime)})" if runtime else ""
+    log.info("building %-16s %s%s", group, cfg[group]._target_, injected)
+    return instantiate(cfg[group], **runtime)
+
+
+def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> Any:
+    """A component wrapped in its fault guard; the group's `guard` sub-node holds the guard's
+    arguments, every other key is the component's."""
+    spec = OmegaConf.to_container(cfg[group], resolve=True)  # resolved while still in the whole config
+    assert isinstance(spec, dict)
+    guard_args = spec.pop("guard", None) or {}
+    injected = f" (+ {', '.join(k for k in runtime if not k.startswith('_'))})" if runtime else ""
+    log.info("building %-16s %s%s, guard %s", group, spec["_target_"], injected, guard_args)
+    return guard(instantiate(spec, **runtime), **guard_args)
+
+
+async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine: RolloutEngine,
+                  trainer: Trainer, transport: WeightTransport,
+                  version: int) -> tuple[list[Sample], dict[str, float]]:
+    """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
+    Under the async scheduler, rollout goes on in the background during fit."""
+    t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
+    batch = await scheduler.produce_batch(data, agent, version)
+    t1 = time.time()
+    await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
+    train_metrics = await asyncio.to_thread(trainer.fit, batch, version)
+    await engine.wake_up()
+    t2 = time.time()
+    await scheduler.sync_weights(engine, lambda: transport.transfer(trainer.weights(), engine, version + 1),
+                                 version + 1)
+    t3 = time.time()
+    busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
+    metrics = rollout_metrics(batch, version) | train_metrics
+    if busy > 0.01:  # generation speed while the engine had work (this step's window)
+        metrics["throughput/rollout_tokens_per_s"] = generated / busy
+    for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
+        metrics[k] = metrics.get(k, 0.0) + v
+    return batch, metrics | {
+        "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
+        "timing/step_s": t3 - t0, "rollout/policy_version": float(version),
+        "rollout/engine_idle_frac": 1.0 - busy / (t3 - t0),
+        "throughput/train_tokens_per_s": metrics["rollout/tokens"] / (t3 - t0),  # end to end
+        "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0)}
+
+
+class RLLoop:
+    """One run: `cfg` is the validated, composed config; `run_dir` holds checkpoints."""
+
+    def __init__(self, cfg: DictConfig, run_dir: str | Path = "."):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.version = 0  # the policy version the engine serves (weight versions published)
+        self.start_step = 0
+        self.resume_state: dict | None = None
+        self.tracker: Tracker | None = None
+        self.engine: RolloutEngine | None = None
+        self.agent: Agent | None = None
+        self.eval_agent: Agent | None = None
+        self.scheduler: Scheduler | None = None
+        self.trainer: Trainer | None = None
+        self.transport: WeightTransport | None = None
+
+    async def execute(self, tags: dict[str, str] | None = None,
+                      resume_from: Path | None = None) -> dict[str, float]:
+        """setup -> (restore) -> train -> cleanup. A run that raised is marked FAILED in
+        MLflow, its metrics kept."""
+        self.setup_inputs(resume_from)
+        self.start_tracking(tags or {}, resume_from)
+        status, error = "FAILED", None
+        try:
+            await self.setup_components()
+            if resume_from is not None:
+                await self.restore(resume_from)
+            gc.collect()  # everything built so far lives for the whole run: move it out of the
+            gc.freeze()   # cyclic GC's reach, so full collections stay cheap (else ~0.3 s stalls)
+            final = await self.train()
+            status = "FINISHED"
+            return final
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            if isinstance(e, EngineDead):
+                found = checkpoint.checkpoints(self.run_dir)
+                last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was saved"
+                raise EngineDead(f"{e}; {last}. Resume: python -m rlexp.run resume={self.run_dir}") from e
+            raise
+        finally:
+            await self.cleanup(status, error)
+
+    # ---- setup ------------------------------------------------------------------------
+    def setup_inputs(self, resume_from: Path | None) -> None:
+        """Data, model, tokenizer: cheap, and bad input must fail before any engine starts."""
+        cfg = self.cfg
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        try:
+            source = instantiate(cfg.data.source)
+        except InstantiationException as e:
+            raise ConfigError(f"data.source: {e.__cause__ or e}") from e
+        self.data: DataManager = build(cfg, "data", source=source, split="train")
+        self.evaluator: Evaluator = build(cfg, "evaluator")
+        n_source = len(source.problems("eval"))
+        if self.evaluator.prompts is not None and self.evaluator.prompts > n_source:
+            raise ConfigError(f"evaluator.prompts={self.evaluator.prompts} is more than the eval split has "
+                              f"({n_source}); use null for the whole split")
+        self.eval_data: DataManager = instantiate(cfg.data, source=source, split="eval",
+                                                  prompts_per_step=self.evaluator.prompts or n_source,
+                                                  samples_per_prompt=self.evaluator.samples_per_prompt)
+        validate_data(cfg, len(self.data), len(self.eval_data))
+        self.model_path: str = build(cfg, "model")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        for split, dm in (("train", self.data), ("eval", self.eval_data)):
+            lengths = [(len(render_prompt(self.tokenizer, p.messages)), p.where or f"{split} prompt {i}")
+                       for i, p in enumerate(dm.problems)]
+            validate_lengths(cfg, lengths, split)
+        if resume_from is not None:
+            self.meta, self.resume_state = checkpoint.load(resume_from)
+            try:
+                self.data.load_state_dict(self.resume_state["data"])
+                self.eval_data.load_state_dict(self.resume_state["eval_data"])
+            except ValueError as e:
+                raise ConfigError(f"resume from {resume_from}: {e}") from e
+
+    def start_tracking(self, tags: dict[str, str], resume_from: Path | None) -> None:
+        self.tracker = tracker = build(self.cfg, "logger")
+        if resume_from is None:
+            tracker.tags = tags
+            sizes = derived(self.cfg)
+            log.info("derived: %s", sizes)
+            extra = {f"derived.{k}": v for k, v in sizes.items()} | {"model.resolved_path": self.model_path}
+            tracker.start(self.cfg, extra_params=extra)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(self.cfg, self.run_dir / RUN_CONFIG, resolve=True)  # what `resume=` reads back
+        else:
+            assert self.resume_state is not None
+            tracker.resume(self.meta["mlflow_run_id"], self.resume_state["step"], tags)
+
+    async def setup_components(self) -> None:
+        cfg, tokenizer = self.cfg, self.tokenizer
+        self.engine = engine = build(cfg, "rollout", model_path=self.model_path)
+        judge = build_guarded(cfg, "judge", JudgeGuard)
+        self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
+        eval_sampling = SamplingConfig(self.evaluator.temperature, 1.0, cfg.rollout.max_response_tokens,
+                                       cfg.rollout.seed)
+        self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
+                                        judge=judge, sampling=eval_sampling,
+                                        _convert_="object")  # a dataclass, not a DictConfig
+        self.scheduler = build(cfg, "scheduler")
+        self.trainer = build(cfg, "trainer", model_path=self.model_path)
+        self.transport = build(cfg, "weight_transfer")
+
+    async def restore(self, path: Path) -> None:
+        """Trainer, engine weights, policy version, scheduler, RNGs and sample ids as they
+        were at the checkpoint."""
+        assert self.trainer and self.engine and self.transport and self.scheduler and self.resume_state
+        state = self.resume_state
+        self.trainer.load(path)
+        self.version = state["version"]
+        await self.transport.transfer(self.trainer.weights(), self.engine, self.version)
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        set_uid_counter(state["next_uid"])
+        self.start_step = state["step"]
+        log.info("resumed at step %d (policy version %d)", self.start_step, self.version)
+
+    # ---- the loop ---------------------------------------------------------------------
+    async def train(self) -> dict[str, float]:
+        """Steps start+1 .. total_steps. A step's metrics, its evaluation and its checkpoint
+        all carry its number; evaluation every `evaluator.every_n_steps`, at step 0 and at the
+        end; a checkpoint every `checkpoint.every_n_steps` and at the end."""
+        assert self.scheduler and self.agent and self.engine and self.trainer and self.transport
+        assert self.tracker is not None
+        total, every_ckpt = self.cfg.trainer.total_steps, self.cfg.checkpoint.every_n_steps
+        final: dict[str, float] = {}
+        if self.start_step == 0:
+            final = await self.evaluate(0)
+        for step in range(self.start_step + 1, total + 1):
+            batch, metrics = await rl_step(self.scheduler, self.data, self.agent, self.engine, self.trainer,
+                                           self.transport, self.version)
+            self.version += 1  # published by the step's sync: the engine serves it now
+            self.tracker.log_metrics(metrics, step)
+            self.tracker.log_samples(batch, step, self.tokenizer.decode)
+            log.info("step %4d/%d  reward %.3f  loss %+.4f  entropy %.3f  %.2fs "
+                     "(produce %.2f fit %.2f sync %.2f)", step, total, metrics["rollout/reward_mean"],
+                     metrics.get("train/loss", 0.0), metrics.get("train/entropy", 0.0),
+                     metrics["timing/step_s"], metrics["timing/produce_s"], metrics["timing/fit_s"],
+                     metrics["timing/sync_s"])
+            if step % self.evaluator.every_n_steps == 0 or step == total:
+                final = await self.evaluate(step)
+            limit = self.scheduler.max_failure_fraction
+            too_many_failed = metrics["samples/failed_frac"] > limit
+            if too_many_failed or (every_ckpt and (step % every_ckpt == 0 or step == total)):
+                path = await self.save_checkpoint(step)
+            if too_many_failed:
+                raise RunStopped(failure_report(batch, step, limit, str(path), str(self.run_dir)))
+        return final
+
+    async def evaluate(self, step: int) -> dict[str, float]:
+        """Roll out the held-out split with the eval agent (eval sampling settings), then score
+        the batch. Nothing else is generating meanwhile: evaluation has the engine to itself."""
+        assert self.eval_agent is not None and self.tracker is not None
+        t0 = time.time()
+        batch = await SyncScheduler().produce_batch(self.eval_data, self.eval_agent, self.version)
+        metrics = self.evaluator.metrics(batch) | {"timing/eval_s": time.time() - t0}
+        self.tracker.log_metrics(metrics, step)
+        self.tracker.log_samples(batch, step, self.tokenizer.decode, name="eval_traces")
+        log.info("step %4d  eval/accuracy %.3f  (%d samples, %.1fs)", step, metrics["eval/accuracy"],
+                 len(batch), metrics["timing/eval_s"])
+        return metrics
+
+    async def save_checkpoint(self, step: int) -> Path:
+        """Everything logged up to `step` is flushed first: a checkpoint's step is the last
+        one fully in MLflow. The state is snapshotted now and written in a thread (the async
+        scheduler's rollouts go on meanwhile)."""
+        assert self.tracker and self.scheduler and self.trainer
+        self.tracker.flush()
+        state = checkpoint.serialize({
+            "step": step, "version": self.version, "data": self.data.state_dict(),
+            "eval_data": self.eval_data.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(), "next_uid": uid_counter()})
+        return await asyncio.to_thread(checkpoint.save, self.run_dir, step, self.trainer, state,
+                                       self.tracker.run_id, self.cfg.checkpoint.keep_last)
+
+    async def cleanup(self, status: str, error: str | None) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.aclose()
+        for agent in (self.agent, self.eval_agent):
+            if agent is not None:
+                await agent.aclose()
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.transport is not None:
+            self.transport.close()
+        if self.tracker is not None:
+            self.tracker.end(status, error)
+        gc.unfreeze()  # a sweep runs the next job in this process: let this one's objects go

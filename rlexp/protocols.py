@@ -1,0 +1,153 @@
+"""Every seam of rlexp on one page. Components are held by these types; any class with the
+same methods fits (no base classes to inherit).
+
+    RLLoop (rlexp/loop.py) owns the policy version, the step and the checkpoint directory
+      |-- Scheduler      produce_batch(data, agent, version) / sync_weights(engine, publish, version)
+      |     '-- Agent    rollout(sample) -> Sample(s), talking to the RolloutEngine, scored by a Judge
+      |-- Trainer        fit(batch, version); weights() for publication; save(dir) / load(dir)
+      |-- WeightTransport  trainer.weights() -> engine, tagged with the version they become
+      |-- Evaluator      metrics(eval batch)
+      '-- Tracker        params, metrics, traces (MLflow)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from omegaconf import DictConfig
+
+    from rlexp.data.manager import DataManager
+    from rlexp.rollout.accounting import BusyMeter
+    from rlexp.sample import Generation, Sample, SamplingConfig
+
+NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
+
+
+class RolloutEngine(Protocol):
+    """Token ids in; token ids and the logprobs they were sampled with out."""
+
+    version: int  # policy version of the weights loaded now (the loop's number, never counted here)
+    sampling: SamplingConfig  # the run's default (training) sampling settings
+    max_model_len: int  # prompt + response tokens one request may hold
+    busy: BusyMeter  # seconds with at least one request in flight, tokens generated
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        """One completion; every token carries the version of the weights that produced it."""
+        ...
+
+    async def pause(self, interrupt: bool) -> None:
+        """Stop starting new work before a weight update. interrupt=False: wait until every
+        in-flight request finished; True: cut them short now; each resumes under the new
+        weights after `resume`, every token keeping the version that produced it."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def sleep(self) -> None:
+        """Release accelerator memory while the trainer trains (a no-op where nothing to free)."""
+        ...
+
+    async def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LoadsWeightFiles(Protocol):
+    """An engine that can reload its weights from a directory holding `model.safetensors`."""
+
+    async def load_weights(self, directory: Path, version: int) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """Carries one version of the trainer's weights into a rollout engine. `weights` yields
+    full tensors by name, one at a time (a sharded trainer gathers each as it is asked for).
+    The engine serves `version` once this returns."""
+
+    async def transfer(self, weights: NamedTensors, engine: Any, version: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Judge(Protocol):
+    async def score(self, sample: Sample) -> Sample:
+        """Set `reward` and `reward_components`."""
+        ...
+
+
+class Agent(Protocol):
+    async def rollout(self, sample: Sample) -> Sample | list[Sample]:
+        """One trajectory from the sample's prompt (several if the conversation branched or
+        was split at a prefix break), scored by the agent's judge."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    max_failure_fraction: float  # more failed samples in a step: the loop stops the run
+
+    async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
+        """The next batch to train policy `version` on."""
+        ...
+
+    async def sync_weights(self, engine: RolloutEngine, publish: Callable[[], Awaitable[None]],
+                           version: int) -> None:
+        """Run `publish` (the engine then serves `version`) at a moment the engine allows."""
+        ...
+
+    def pop_counts(self) -> dict[str, float]:
+        """Samples rejected and tokens generated but never trained, since the last call."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Trainer(Protocol):
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        """One update of policy `version` (the version being trained) on `batch`."""
+        ...
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full tensors by name, for publication to the rollout engine."""
+        ...
+
+    def save(self, directory: Path) -> None:
+        """Weights and optimizer state into `directory` (part of a checkpoint)."""
+        ...
+
+    def load(self, directory: Path) -> None: ...
+
+
+class Evaluator(Protocol):
+    every_n_steps: int
+    samples_per_prompt: int
+    temperature: float
+    prompts: int | None  # held-out prompts per evaluation; None = the whole split
+
+    def metrics(self, batch: list[Sample]) -> dict[str, float]: ...
+
+
+class Tracker(Protocol):
+    run_id: str | None
+    tags: dict[str, str]
+
+    def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str: ...
+
+    def resume(self, run_id: str, step: int, tags: dict[str, str]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def log_samples(self, samples: list[Sample], step: int, decode: Callable[[list[int]], str],
+                    name: str = "traces") -> None: ...
+
+    def flush(self) -> None: ...
+
+    def end(self, status: str = "FINISHED", error: str | None = None) -> None: ...
