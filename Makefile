@@ -1,5 +1,5 @@
 # make run   - create .venv (first time) and run the default experiment
-# make test  - create .venv (first time), lint, and run the whole test suite
+# make test  - create .venv (first time), lint (ruff, mypy), and run the whole test suite
 # make ui    - open the MLflow UI on this directory's runs
 # make bench - rollout-overhead benchmark
 VENV   := .venv
@@ -19,6 +19,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlexp tests bench scripts
+	$(VENV)/bin/mypy rlexp
 
 test: lint browser
 	$(PY) -m pytest

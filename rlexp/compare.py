@@ -117,8 +117,8 @@ def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = 
     out.mkdir(parents=True, exist_ok=True)
     md = table_markdown(rows)
     (out / "compare.md").write_text(md)
-    with open(out / "compare.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
+    with open(out / "compare.csv", "w", newline="") as csv_file:
+        w = csv.DictWriter(csv_file, COLUMNS)
         w.writeheader()
         w.writerows(rows)
     files = [out / "compare.md", out / "compare.csv"]

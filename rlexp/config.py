@@ -54,6 +54,7 @@ def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     cfg = OmegaConf.load(run_dir / RUN_CONFIG)
+    assert isinstance(cfg, DictConfig)
     hydra_file = run_dir / ".hydra" / "hydra.yaml"
     choices = OmegaConf.load(hydra_file).hydra.runtime.choices if hydra_file.is_file() else {}
     for override in overrides:
@@ -126,7 +127,7 @@ def check_arguments(node: DictConfig, path: str = "") -> None:
                               f"({type(cause).__name__}: {cause})") from None
         params, hints = _signature(obj)
     for key, value in node.items_ex(resolve=False) if isinstance(node, DictConfig) else ():
-        where = f"{path}{key}"
+        where = f"{path}{key!s}"
         if isinstance(key, str) and key.startswith("_"):
             continue
         if key == "guard" and path.rstrip(".") in GUARDS:

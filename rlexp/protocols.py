@@ -72,6 +72,16 @@ class WeightTransport(Protocol):
     def close(self) -> None: ...
 
 
+class Tool(Protocol):
+    """A function the policy may call (rlexp/tools/): an OpenAI tool `spec`, and the call."""
+
+    spec: dict[str, Any]
+
+    async def __call__(self, arguments: str) -> str:
+        """`arguments`: the call's JSON object; returns the result text (or "error: ...")."""
+        ...
+
+
 class Judge(Protocol):
     async def score(self, sample: Sample) -> Sample:
         """Set `reward` and `reward_components`."""
@@ -145,7 +155,7 @@ class Tracker(Protocol):
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def log_samples(self, samples: list[Sample], step: int, decode: Callable[[list[int]], str],
+    def log_samples(self, samples: list[Sample], step: int, decode: Callable[..., Any],
                     name: str = "traces") -> None: ...
 
     def flush(self) -> None: ...

@@ -13,6 +13,8 @@ import importlib
 import inspect
 from typing import Literal
 
+import openai
+
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
 from rlexp.chat.session import PrefixBreak
@@ -45,13 +47,11 @@ class OpenAIAgent:
         self.transport, self.host, self.port, self.api_key = transport, host, port, api_key
         self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break)
         self.server: ChatServer | None = None
-        self._http = None  # one openai.AsyncOpenAI for all sessions (transport=http)
+        self._http: openai.AsyncOpenAI | None = None  # one client for all sessions (transport=http)
 
     async def _http_client(self, sid: str):
         """The real `openai` package, against rlexp's server, for session `sid`."""
-        import openai
-
-        if self.server is None:
+        if self._http is None:
             self.server = ChatServer(self.store, self.host, self.port, self.api_key)
             await self.server.start()
             self._http = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=self.api_key or "unused",

@@ -9,7 +9,7 @@ from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
-from rlexp.protocols import Judge, RolloutEngine
+from rlexp.protocols import Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
@@ -20,7 +20,7 @@ class ToolAgent:
                  max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
                  tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,
                  on_prefix_break: PrefixBreak = "split"):
-        available = {"calculator": Calculator(), "python": PythonExpression(timeout_s=tool_timeout_s)}
+        available: dict[str, Tool] = {"calculator": Calculator(), "python": PythonExpression(tool_timeout_s)}
         unknown = set(tools) - set(available)
         if unknown:
             raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(available)}")

@@ -17,6 +17,7 @@ import json
 import re
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 from openai.types.chat import ChatCompletion
@@ -136,7 +137,7 @@ class SessionStore:
         if forced:
             sampling = dataclasses.replace(sampling, regex=tool_call_regex(forced))
         n = int(request.get("n") or 1)
-        choices = []
+        choices: list[dict[str, Any]] = []
         for i in range(n):
             s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
             gen = await self.engine.generate(prompt.trace.tokens, s)
@@ -241,8 +242,8 @@ class TrackedClient:
 
     def __init__(self, store: SessionStore, session_id: str, sampling: SamplingConfig):
         self.store, self.session_id, self.sampling = store, session_id, sampling
-        self.chat = _Namespace(completions=_Namespace(create=self._create_chat))
-        self.completions = _Namespace(create=self._create_completion)
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create_chat))
+        self.completions = SimpleNamespace(create=self._create_completion)
 
     async def _create_chat(self, *, messages, model: str | None = None, extra_body=None,
                            **kw) -> ChatCompletion:
@@ -252,8 +253,3 @@ class TrackedClient:
 
     async def _create_completion(self, *, prompt, model: str | None = None, **kw) -> Completion:
         return Completion.model_validate(await self.store.complete({"prompt": prompt, **kw}))
-
-
-class _Namespace:
-    def __init__(self, **attrs):
-        self.__dict__.update(attrs)

@@ -17,6 +17,7 @@ import shutil
 import string
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
@@ -101,7 +102,7 @@ def build_tiny_model(
         num_key_value_heads=num_heads,
         max_position_embeddings=512,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        bos_token_id=cast(int, tokenizer.convert_tokens_to_ids("<|im_start|>")),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
 from rlexp.rollout.accounting import BusyMeter, count_generated
@@ -32,7 +33,7 @@ class HFEngine:
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
+        self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub for .to
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         eos = self.model.generation_config.eos_token_id
@@ -89,7 +90,7 @@ class HFEngine:
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         greedy = sampling.temperature == 0
-        out = self.model.generate(
+        out = self.model.generate(  # type: ignore[misc]  # transformers' stub: self type of generate
             input_ids=input_ids.to(self.device),
             attention_mask=attention.to(self.device),
             max_new_tokens=sampling.max_tokens,
@@ -101,6 +102,7 @@ class HFEngine:
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
         )
+        assert isinstance(out, GenerateDecoderOnlyOutput) and out.scores is not None
         new = out.sequences[:, width:].cpu()
         logprobs = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
         gens = []

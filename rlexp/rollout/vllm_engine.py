@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         on_gpu = torch.cuda.is_available()
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             model=model_path,
             seed=seed,
             dtype=dtype,
@@ -150,7 +151,8 @@ class VLLMEngine:
         assert final is not None
         completion = final.outputs[0]
         ids = list(completion.token_ids)
-        logprobs = [step[tid].logprob for tid, step in zip(ids, completion.logprobs or [])]
+        steps = completion.logprobs or []  # logprobs=0: each step holds the sampled token's logprob
+        logprobs = [step[tid].logprob for tid, step in zip(ids, steps) if step is not None]
         return ids, logprobs, completion.finish_reason or "abort", version
 
     @contextlib.contextmanager
@@ -192,13 +194,14 @@ class VLLMEngine:
             await self.llm.wake_up()
 
     def shutdown(self) -> None:
-        if self.llm is None:
-            return
-        try:
-            self.llm.shutdown()
-        finally:
-            reaper.stop(self._reaper)
         # Drop the engine now: its destructor calls shutdown again, which fails noisily
         # (TypeError) when it only runs during interpreter exit.
-        self.llm = None
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        try:
+            llm.shutdown()
+        finally:
+            reaper.stop(self._reaper)
+        del llm
         gc.collect()

@@ -32,10 +32,15 @@ class GroupRollout:
     start_version: int  # policy version served when it was launched
     fresh: list[Sample]  # untouched copies of the prompts, to re-roll the group
     tail: bool = False  # a re-roll of a set-aside group: never set aside again
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # None until launched (a group restored from a checkpoint)
     meter: list[int] = field(default_factory=lambda: [0])  # tokens generated for it
     cancelled: Status | None = None  # EXPIRED or ABORTED (set aside) once cancelled
     samples: list[Sample] = field(default_factory=list)
+
+
+def _task(r: GroupRollout) -> asyncio.Task:
+    assert r.task is not None, "every group in self._running was launched"
+    return r.task
 
 
 def fresh_copies(group: list[Sample]) -> list[Sample]:
@@ -176,12 +181,12 @@ class AsyncScheduler(SyncScheduler):
     def _bookkeep(self) -> None:
         """Move finished groups on, cancel groups that can no longer be trained."""
         eta = self.staleness_threshold
-        for r in [r for r in self._running if r.task.done()]:
+        for r in [r for r in self._running if _task(r).done()]:
             self._running.remove(r)
             if r.cancelled is not None:
                 self.reject(r.fresh, r.cancelled, r.meter[0])
                 continue
-            r.samples = r.task.result()
+            r.samples = _task(r).result()
             if self.filter_zero_variance and has_no_signal(r.samples):
                 self.reject(r.samples, Status.FILTERED, r.meter[0])
             else:
@@ -194,10 +199,10 @@ class AsyncScheduler(SyncScheduler):
             if not r.tail and self.tail_candidate_step and age >= self.tail_candidate_step:
                 r.cancelled = Status.ABORTED
                 self._set_aside.append(r)
-                r.task.cancel()
+                _task(r).cancel()
             elif age > eta:
                 r.cancelled = Status.EXPIRED
-                r.task.cancel()
+                _task(r).cancel()
 
     def _launch(self, data: DataManager, agent: Agent) -> None:
         k = self.tail_trigger_size

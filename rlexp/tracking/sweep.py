@@ -63,8 +63,9 @@ class SweepCallback(Callback):
             [exp_id], f"tags.`{SWEEP_TAG}` = '{sweep_id}' and tags.`rlexp.role` = 'parent'")
         if info is None and parents:
             info = {"parent_run_id": parents[0].info.run_id}
-        params = config.hydra.sweeper.get("params")
-        params = OmegaConf.to_container(params, resolve=True) if params else {}
+        node = config.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(node, resolve=True) if node else {}
+        assert isinstance(params, dict)
         varying = varying_keys(list(config.hydra.overrides.task), params)
         if info is None:  # a new sweep
             run = client.create_run(exp_id, run_name=f"sweep {sweep_dir.name}", tags={

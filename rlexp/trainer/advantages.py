@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: list[Hashable], norm_by_std: bool = True,
+def group_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable], norm_by_std: bool = True,
                      eps: float = 1e-6) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps); a group whose rewards are all equal gets 0."""
     index: dict[Hashable, list[int]] = defaultdict(list)

@@ -75,7 +75,7 @@ class GRPOTrainer:
     ):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).train()
+        self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers' stub for .to
         self.ref = None
         if kl_coef > 0 or track_ref_kl:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)

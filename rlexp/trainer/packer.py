@@ -35,7 +35,9 @@ def pack(sequences: list[list[int]], max_tokens_per_row: int) -> list[PackedRow]
             sizes.append(n)
     rows = []
     for members in bins:
-        ids, pos, offsets = [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        offsets: list[int] = []
         for i in members:
             offsets.append(len(ids))
             ids.extend(sequences[i])
