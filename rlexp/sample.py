@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 class Status(str, enum.Enum):
@@ -99,6 +101,18 @@ class TokenTrace:
         return len(self.tokens)
 
 
+class _FromTrace(Generic[T]):
+    """`sample.tokens` reads `sample.trace.tokens` (and so on)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, sample: Sample | None, owner: type | None = None) -> T:
+        if sample is None:
+            raise AttributeError(f"{self.name} is read from a Sample, not from the class")
+        return getattr(sample.trace, self.name)
+
+
 @dataclass
 class Sample:
     """One trajectory: its prompt, its `trace` (prompt + response tokens, aligned per token)
@@ -107,7 +121,6 @@ class Sample:
     group_id: int
     prompt: list[dict[str, str]]  # chat messages
     answer: str  # reference answer for the judge
-    prompt_token_ids: list[int] = field(default_factory=list)
     trace: TokenTrace = field(default_factory=TokenTrace)
     response_text: str = ""
     reward: float = 0.0
@@ -117,25 +130,12 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     uid: int = field(default_factory=lambda: next(_uids))
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.trace.tokens
-
-    @property
-    def loss_mask(self) -> list[int]:
-        return self.trace.loss_mask
-
-    @property
-    def logprobs(self) -> list[float]:
-        return self.trace.logprobs
-
-    @property
-    def versions(self) -> list[int]:
-        return self.trace.versions
-
-    @property
-    def turns(self) -> list[dict[str, Any]]:
-        return self.trace.turns
+    # Read-only views of the trace's lists (the trace alone writes them).
+    tokens = _FromTrace[list[int]]("tokens")
+    loss_mask = _FromTrace[list[int]]("loss_mask")
+    logprobs = _FromTrace[list[float]]("logprobs")
+    versions = _FromTrace[list[int]]("versions")
+    turns = _FromTrace[list[dict[str, Any]]]("turns")
 
     @property
     def response_length(self) -> int:

@@ -20,9 +20,9 @@ from mlflow.tracking import MlflowClient
 def fingerprint(uri: str, run: str, steps: int) -> dict:
     client = MlflowClient(tracking_uri=uri)
     runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
-    matches = [r for r in runs if run in (r.info.run_id, r.info.run_name)]
+    matches = [r for r in runs if run in (r.info.run_id, r.info.run_name) and r.info.status == "FINISHED"]
     if len(matches) != 1:
-        raise SystemExit(f"{run!r}: {len(matches)} matching runs in {uri}")
+        raise SystemExit(f"{run!r}: {len(matches)} finished runs of that id or name in {uri}")
     run_id = matches[0].info.run_id
 
     def history(key: str, first: int | None = None) -> list[list[float]]:

@@ -57,7 +57,6 @@ class SingleTurnAgent:
         prompt = self.render(sample.prompt)
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
         gen = await self.engine.generate(prompt, sampling)
-        sample.prompt_token_ids = prompt
         sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         sample.trace = TokenTrace()
         sample.trace.append(prompt, role="prompt")

@@ -123,8 +123,6 @@ class ChatSession:
             s = copy.copy(template) if i else template
             s.metadata = dict(template.metadata) | {"branch": i, "segment": leaf.segment,
                                                      "prefix_breaks": self.prefix_breaks}
-            first_policy = leaf.trace.loss_mask.index(1)
-            s.prompt_token_ids = leaf.trace.tokens[:first_policy]
             s.trace, s.finish_reason = leaf.trace, leaf.finish_reason
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages

@@ -22,13 +22,14 @@ class HFEngine:
     def __init__(
         self,
         model_path: str,
-        seed: int,
+        dtype: str = "float32",
+        max_model_len: AtLeast2 = 512,
+        max_batch_size: AtLeast1 = 256,
+        # sampling defaults (engine.sampling), as for every engine
+        seed: int = 0,
         temperature: Temperature = 1.0,
         top_p: TopP = 1.0,
         max_response_tokens: AtLeast1 = 16,
-        max_model_len: AtLeast2 = 512,
-        max_batch_size: AtLeast1 = 256,
-        dtype: str = "float32",
     ):
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,7 +8,6 @@ import gc
 import itertools
 import logging
 import time
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,6 @@ class VLLMEngine:
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
         self.busy = BusyMeter()
-        self.counters: Counter[str] = Counter()
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
@@ -103,7 +101,6 @@ class VLLMEngine:
             new_ids, new_lps, finish, version = await self._request(list(token_ids) + ids, rest)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.regex:
-                self.counters["restarted_requests"] += 1
                 ids, logprobs, versions = [], [], []
             else:
                 ids += new_ids
@@ -111,7 +108,6 @@ class VLLMEngine:
                 versions += [version] * len(new_ids)
             if not interrupted:
                 return Generation(ids, logprobs, finish, versions)
-            self.counters["resumed_requests"] += 1
             segment += 1
             if len(ids) >= sampling.max_tokens:
                 return Generation(ids, logprobs, "length", versions)

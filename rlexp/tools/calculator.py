@@ -6,6 +6,8 @@ import ast
 import json
 import operator
 
+from rlexp.tools.spec import expression_tool_spec
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -31,10 +33,7 @@ def calculate(expression: str) -> float | int:
 
 class Calculator:
     name = "calculator"
-    spec = {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
+    spec = expression_tool_spec("calculator", "Evaluate an arithmetic expression.")
 
     async def __call__(self, arguments: str) -> str:
         args = json.loads(arguments)

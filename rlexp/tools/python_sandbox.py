@@ -9,6 +9,8 @@ import json
 import resource
 import sys
 
+from rlexp.tools.spec import expression_tool_spec
+
 _CHILD = r"""
 import math, sys
 _exec_left = [1]  # the one eval below
@@ -57,10 +59,7 @@ async def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int 
 
 class PythonExpression:
     name = "python"
-    spec = {"type": "function", "function": {
-        "name": "python", "description": "Evaluate one Python expression (math functions only).",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]}}}
+    spec = expression_tool_spec("python", "Evaluate one Python expression (math functions only).")
 
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256):
         self.timeout_s, self.memory_mb = timeout_s, memory_mb

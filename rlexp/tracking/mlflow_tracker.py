@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlflow
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
+
+from rlexp.constraints import AtLeast1, Fraction
 
 log = logging.getLogger(__name__)
 
@@ -25,19 +27,17 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): d}
 
 
+@dataclass
 class MlflowTracker:
-    def __init__(self, tracking_uri: str, experiment_name: str, artifact_location: str | None = None,
-                 run_name: str | None = None, log_traces: bool = True,
-                 traces_every_n_steps: int = 1, trace_sample_rate: float = 0.0):
-        self.tracking_uri = tracking_uri
-        self.experiment_name = experiment_name
-        self.artifact_location = artifact_location
-        self.run_name = run_name
-        self.log_traces = log_traces
-        self.traces_every_n_steps = traces_every_n_steps
-        self.trace_sample_rate = trace_sample_rate
-        self.run_id: str | None = None
-        self.tags: dict[str, str] = {}  # e.g. the sweep's parent run and this job's number
+    tracking_uri: str
+    experiment_name: str
+    artifact_location: str | None = None
+    run_name: str | None = None
+    log_traces: bool = True
+    traces_every_n_steps: AtLeast1 = 1
+    trace_sample_rate: Fraction = 0.0
+    run_id: str | None = field(default=None, init=False)
+    tags: dict[str, str] = field(default_factory=dict, init=False)  # e.g. the sweep's parent run, job number
 
     def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -180,7 +180,3 @@ def delete_traces_after(experiment_id: str, run_id: str, after_step: int) -> int
         client.delete_traces(experiment_id, trace_ids=doomed)
     return len(doomed)
 
-
-def sqlite_uri(path: str) -> str:
-    """Absolute sqlite URI so every run and sweep shares one store wherever it runs."""
-    return "sqlite:///" + os.path.abspath(path)

@@ -82,18 +82,15 @@ class GRPOTrainer:
         self.optimizer = optimizer(self.model.parameters())
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
-        self.temperature = temperature
-        self.total_steps = total_steps
+        self.temperature, self.max_grad_norm = temperature, max_grad_norm
+        # the loss
         self.clip = (clip_ratio_low, clip_ratio_high)
-        self.kl_coef = kl_coef
-        self.entropy_coef = entropy_coef
-        self.max_grad_norm = max_grad_norm
+        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
         self.norm_adv_by_std = norm_adv_by_std
-        self.old_logprobs = old_logprobs
-        self.correction = off_policy_correction
-        self.is_cap = is_cap
-        self.minibatches_per_step = minibatches_per_step
-        self.micro_batch_tokens = micro_batch_tokens
+        # off-policy data: which logprobs the ratio is taken against, and how it is corrected
+        self.old_logprobs, self.correction, self.is_cap = old_logprobs, off_policy_correction, is_cap
+        # how the batch is cut: optimizer steps per fit, tokens per packed row
+        self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
 
     # ---- low-level API -------------------------------------------------------------
     @torch.no_grad()
