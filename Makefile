@@ -19,7 +19,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check rlexp tests bench scripts
-	$(VENV)/bin/mypy rlexp
+	$(VENV)/bin/mypy rlexp tests/test_protocols.py
 
 test: lint browser
 	$(PY) -m pytest

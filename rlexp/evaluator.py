@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 from math import comb
 
-from rlexp.constraints import AtLeast1, NonNegative
-from rlexp.sample import Sample, Status
+from rlexp.constraints import AtLeast1
+from rlexp.sample import Sample, SamplingConfig, Status
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -18,14 +18,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 class Evaluator:
-    """`every_n_steps`, `prompts` (null = the whole held-out split), `samples_per_prompt`
-    and `temperature` tell the loop how to produce the eval batch."""
+    """`every_n_steps`, `prompts` (None = the whole held-out split), `samples_per_prompt`
+    and `sampling` tell the loop how to produce the eval batch."""
 
-    def __init__(self, every_n_steps: AtLeast1, samples_per_prompt: AtLeast1 = 1,
-                 temperature: NonNegative = 0.0, prompts: AtLeast1 | None = None):
+    def __init__(self, every_n_steps: AtLeast1, sampling: SamplingConfig, samples_per_prompt: AtLeast1 = 1,
+                 prompts: AtLeast1 | None = None):
         self.every_n_steps = every_n_steps
+        self.sampling = sampling
         self.samples_per_prompt = samples_per_prompt
-        self.temperature = temperature
         self.prompts = prompts
 
     def metrics(self, batch: list[Sample]) -> dict[str, float]:

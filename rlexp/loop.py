@@ -38,7 +38,7 @@ from rlexp.errors import ConfigError, EngineDead, RunStopped
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import failure_report, rollout_metrics
 from rlexp.protocols import Agent, Evaluator, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
-from rlexp.sample import Sample, SamplingConfig, set_uid_counter, uid_counter
+from rlexp.sample import Sample, set_uid_counter, uid_counter
 from rlexp.schedulers.sync import SyncScheduler
 
 log = logging.getLogger("rlexp")
@@ -187,10 +187,8 @@ class RLLoop:
         self.engine = engine = build(cfg, "rollout", model_path=self.model_path)
         judge = build_guarded(cfg, "judge", JudgeGuard)
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
-        eval_sampling = SamplingConfig(self.evaluator.temperature, 1.0, cfg.rollout.max_response_tokens,
-                                       cfg.rollout.seed)
         self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
-                                        judge=judge, sampling=eval_sampling,
+                                        judge=judge, sampling=self.evaluator.sampling,
                                         _convert_="object")  # a dataclass, not a DictConfig
         self.scheduler = build(cfg, "scheduler")
         self.trainer = build(cfg, "trainer", model_path=self.model_path)

@@ -139,8 +139,8 @@ class Trainer(Protocol):
 class Evaluator(Protocol):
     every_n_steps: int
     samples_per_prompt: int
-    temperature: float
     prompts: int | None  # held-out prompts per evaluation; None = the whole split
+    sampling: SamplingConfig  # how the eval agent samples
 
     def metrics(self, batch: list[Sample]) -> dict[str, float]: ...
 

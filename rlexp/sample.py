@@ -7,6 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from rlexp.constraints import AtLeast1, NonNegative, TopP
+
 T = TypeVar("T")
 
 
@@ -23,9 +25,9 @@ class Status(str, enum.Enum):
 class SamplingConfig:
     """Sampling settings handed to a RolloutEngine; engine-agnostic."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 16
+    temperature: NonNegative = 1.0  # 0 = greedy
+    top_p: TopP = 1.0
+    max_tokens: AtLeast1 = 16
     seed: int | None = None
     regex: str | None = None  # constrain the output to this pattern (e.g. tool_choice="required")
 

@@ -122,3 +122,28 @@ def test_unknown_group_option_is_named():
     res = _run("scheduler=nope")
     assert res.returncode != 0
     assert "Could not find 'scheduler/nope'" in res.stderr
+
+
+@pytest.mark.parametrize("value, annotation, message", [
+    (0, "AtLeast1", "x must be >= 1, got 0"),
+    (None, "AtLeast1 | None", None),
+    (1.5, "TopP", "x must be <= 1, got 1.5"),
+    ("9", "AtLeast1", "x must be an integer, got '9'"),
+    (True, "int", "x must be an integer, got True"),
+    (2, "float", None),
+    ("fast", "Literal['a', 'b']", "x must be one of a, b; got 'fast'"),
+    ("yes", "bool", "x must be true or false"),
+    (object(), "Callable", None),  # not a value the config can state: not checked
+])
+def test_check_value_reads_the_signature_annotation(value, annotation, message):
+    from collections.abc import Callable  # noqa: F401  (named by the annotation strings)
+    from typing import Literal  # noqa: F401
+
+    from rlexp.config import check_value
+    from rlexp.constraints import AtLeast1, TopP  # noqa: F401
+
+    if message is None:
+        check_value("x", value, eval(annotation))
+    else:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            check_value("x", value, eval(annotation))

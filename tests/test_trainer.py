@@ -186,3 +186,26 @@ def test_importance_weights_are_truncated_and_broken_down_by_staleness(tiny_mode
         assert m["train/is_weight_max"] == pytest.approx(2.0, rel=1e-4)
         assert m["train/is_weight_mean"] == pytest.approx((n + stale_tokens) / n, rel=1e-3)
         assert m["train/is_truncated_frac"] == pytest.approx(stale_tokens / n, rel=1e-3)
+
+
+def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
+    """The trainer owns its checkpoint: a fresh trainer loaded from `save` takes the same
+    next step (weights, AdamW moments and lr schedule all restored)."""
+    texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
+
+    def make():
+        return GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=10, track_ref_kl=False,
+                           lr_schedule="cosine", warmup_steps=3,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+
+    a = make()
+    a.fit(_batch(tokenizer, texts), 0)
+    a.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"model.safetensors", "trainer.pt"}
+    b = make()
+    b.load(tmp_path)
+    ma, mb = a.fit(_batch(tokenizer, texts), 1), b.fit(_batch(tokenizer, texts), 1)
+    assert ma["train/lr"] == mb["train/lr"] != make().optimizer.param_groups[0]["lr"]
+    wa, wb = dict(a.weights()), dict(b.weights())
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], v) for k, v in make().weights())  # the steps moved them
