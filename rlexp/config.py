@@ -111,34 +111,32 @@ def derived(cfg: DictConfig) -> dict[str, int]:
     return {"samples_per_step": per_step, "total_train_samples": cfg.trainer.total_steps * per_step}
 
 
-def check_arguments(node: DictConfig, path: str = "") -> None:
-    """Every `_target_` must import, and the keys beside it must be arguments of what it names,
-    with values its signature allows (types, `Literal` choices, `rlexp.constraints` bounds).
-    A group's `guard` sub-node is checked against its guard (rlexp/guards.py)."""
-    target = node.get("_target_") if isinstance(node, DictConfig) else None
-    params: dict[str, inspect.Parameter] = {}
-    hints: dict[str, Any] = {}
+def check_arguments(node: DictConfig, path: str = "", callee: Any = None) -> None:
+    """Every `_target_` must import, and the keys beside it must be arguments of what it names
+    (or of `callee`), with values its signature allows (types, `Literal` choices,
+    `rlexp.constraints` bounds). A group's `guard` sub-node is checked against its guard."""
+    target = node.get("_target_")
     if target is not None:
         try:
-            obj = get_object(target)
+            callee = get_object(target)
         except Exception as e:
             cause = e.__cause__ or e
             raise ConfigError(f"{path}_target_: cannot import {target!r} "
                               f"({type(cause).__name__}: {cause})") from None
-        params, hints = _signature(obj)
-    for key, value in node.items_ex(resolve=False) if isinstance(node, DictConfig) else ():
+    params, hints = _signature(callee) if callee is not None else ({}, {})
+    for key, value in node.items_ex(resolve=False):
         where = f"{path}{key!s}"
         if isinstance(key, str) and key.startswith("_"):
             continue
         if key == "guard" and path.rstrip(".") in GUARDS:
-            _check_guard(node, where, GUARDS[path.rstrip(".")])
+            check_arguments(node.guard or DictConfig({}), where + ".", GUARDS[path.rstrip(".")])
             continue
-        if target is not None and key not in params and not _takes_kwargs(params):
-            raise ConfigError(f"{where} is not an argument of {target} (it takes: "
-                              f"{', '.join(k for k in params if k != 'self')})")
+        if callee is not None and key not in params and not _takes_kwargs(params):
+            raise ConfigError(f"{where} is not an argument of {callee.__module__}.{callee.__qualname__} "
+                              f"(it takes: {', '.join(k for k in params if k != 'self')})")
         if isinstance(value, DictConfig):
             check_arguments(value, where + ".")
-        elif target is not None and key in hints:
+        elif key in hints:
             try:
                 resolved = node[key]
             except MissingMandatoryValue:
@@ -161,15 +159,6 @@ def _signature(obj) -> tuple[dict[str, inspect.Parameter], dict[str, Any]]:
 
 def _takes_kwargs(params: dict[str, inspect.Parameter]) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _check_guard(node: DictConfig, where: str, guard: type) -> None:
-    guard_node = node["guard"]
-    params, hints = _signature(guard)
-    for key in guard_node or {}:
-        if key not in params or key in ("self", "agent", "judge"):
-            raise ConfigError(f"{where}.{key} is not an argument of {guard.__name__}")
-        check_value(f"{where}.{key}", guard_node[key], hints.get(key, Any))
 
 
 def check_value(where: str, value: Any, annotation: Any) -> None:

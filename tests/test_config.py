@@ -80,7 +80,7 @@ def test_cheap_groups_instantiate(group):
      "minibatches_per_step=3 must divide the samples of a step"),
     ("agent.guard.timeout_s=0", "agent.guard.timeout_s must be > 0"),
     ("judge.guard.timeout_s=-1", "judge.guard.timeout_s must be > 0"),
-    ("+judge.guard.retries=2", "judge.guard.retries is not an argument of JudgeGuard"),
+    ("+judge.guard.retries=2", "judge.guard.retries is not an argument of rlexp.guards.JudgeGuard"),
     ("agent=multiturn +agent.max_turn=5", "agent.max_turn is not an argument of rlexp.agents.multiturn"),
     ("rollout.top_p=1.5", "rollout.top_p must be <= 1, got 1.5"),
     ("evaluator.prompts=0", "evaluator.prompts must be >= 1, got 0"),
