@@ -184,6 +184,7 @@ class RLLoop:
 
     async def setup_components(self) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
+        self.transport = build(cfg, "weight_transfer")  # first: it may refuse this machine (no CUDA)
         self.engine = engine = build(cfg, "rollout", model_path=self.model_path)
         judge = build_guarded(cfg, "judge", JudgeGuard)
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
@@ -192,7 +193,6 @@ class RLLoop:
                                         _convert_="object")  # a dataclass, not a DictConfig
         self.scheduler = build(cfg, "scheduler")
         self.trainer = build(cfg, "trainer", model_path=self.model_path)
-        self.transport = build(cfg, "weight_transfer")
 
     async def restore(self, path: Path) -> None:
         """Trainer, engine weights, policy version, scheduler, RNGs and sample ids as they

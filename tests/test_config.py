@@ -84,7 +84,8 @@ def test_cheap_groups_instantiate(group):
     ("agent=multiturn +agent.max_turn=5", "agent.max_turn is not an argument of rlexp.agents.multiturn"),
     ("rollout.top_p=1.5", "rollout.top_p must be <= 1, got 1.5"),
     ("evaluator.prompts=0", "evaluator.prompts must be >= 1, got 0"),
-    ("trainer.track_ref_kl=3", "trainer.track_ref_kl must be true or false, got 3"),
+    ("trainer.ref_kl_every_n_steps=-1", "trainer.ref_kl_every_n_steps must be >= 0, got -1"),
+    ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.grpo"),
     ("scheduler.max_failure_fraction=1.5", "scheduler.max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
 ])

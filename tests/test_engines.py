@@ -28,14 +28,16 @@ def _as_samples(prompts, gens):
     return samples
 
 
-async def _publish(trainer, engine, version):
-    """The loop's weight sync: the trainer's weights through the RAM-file transport."""
-    transport = RamFileTransport()
+async def _publish(trainer, engine, version, transport=None):
+    """The loop's weight sync: the trainer's weights through a transport (the RAM file's
+    by default)."""
+    transport = transport or RamFileTransport()
     try:
         await transport.transfer(trainer.weights(), engine, version)
     finally:
         transport.close()
-    assert not transport.directory.exists()  # nothing left in /dev/shm
+    if isinstance(transport, RamFileTransport):
+        assert not transport.directory.exists()  # nothing left in /dev/shm
 
 
 def _max_logprob_diff(trainer, prompts, gens) -> float:
@@ -46,7 +48,7 @@ def _max_logprob_diff(trainer, prompts, gens) -> float:
     return max(diffs)
 
 
-async def _check_engine(engine, trainer, tokenizer):
+async def _check_engine(engine, trainer, tokenizer, transport=None):
     prompts = _prompts(tokenizer)
     sampling = SamplingConfig(temperature=TEMPERATURE, top_p=1.0, max_tokens=12, seed=5)
     gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
@@ -60,7 +62,7 @@ async def _check_engine(engine, trainer, tokenizer):
             p.add_(torch.randn_like(p) * 0.02)
     stale = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
     assert _max_logprob_diff(trainer, prompts, stale) > 1e-3  # the test can tell weights apart
-    await _publish(trainer, engine, version=3)  # the loop's number: the engine counts nothing
+    await _publish(trainer, engine, 3, transport)  # the loop's number: the engine counts nothing
     assert engine.version == 3
     gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
     assert all(g.versions == [3] * len(g.token_ids) for g in gens)
@@ -69,7 +71,7 @@ async def _check_engine(engine, trainer, tokenizer):
 
 
 def _trainer(path):
-    return GRPOTrainer(path, temperature=TEMPERATURE, total_steps=1, track_ref_kl=False,
+    return GRPOTrainer(path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
 
@@ -123,6 +125,27 @@ def test_vllm_sleep_wake_keeps_synced_weights(tiny_model_path, tokenizer):
             await engine.sleep()
             await engine.wake_up()
             return await _check_engine(engine, trainer, tokenizer)
+        finally:
+            engine.shutdown()
+
+    before, after = asyncio.run(main())
+    assert before < 1e-4 and after < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllm_native_ipc_transport_carries_the_trainers_weights(tiny_model_path, tokenizer):
+    """GPU: vLLM's CUDA-IPC weight transfer (weight_transfer=vllm_ipc) instead of the RAM file."""
+    from rlexp.rollout.vllm_engine import VLLMEngine
+    from rlexp.rollout.vllm_ipc import VllmIpcTransport
+
+    trainer = _trainer(tiny_model_path)
+
+    async def main():
+        engine = VLLMEngine(tiny_model_path, seed=0, weight_transfer_backend="ipc",
+                            gpu_memory_utilization=0.2)
+        try:
+            return await _check_engine(engine, trainer, tokenizer, VllmIpcTransport())
         finally:
             engine.shutdown()
 

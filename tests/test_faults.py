@@ -128,7 +128,7 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     from rlexp.trainer.grpo import GRPOTrainer
 
     trainer = GRPOTrainer(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
-                          track_ref_kl=False)
+                          ref_kl_every_n_steps=0)
     batch = _group(3)
     for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
         s.reward, s.status = r, st

@@ -8,7 +8,7 @@ from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.advantages import group_advantages
 from rlexp.trainer.grpo import GRPOTrainer
 from rlexp.trainer.losses import clipped_pg_loss, k3_kl
-from rlexp.trainer.packer import pack
+from rlexp.trainer.token_batch import TokenBatch
 
 
 def test_group_advantages_normalize_within_groups():
@@ -38,15 +38,19 @@ def test_k3_kl_zero_iff_equal():
     assert (k3_kl(a, a + 0.3) > 0).all()
 
 
-def test_packer_covers_every_sequence_once_within_budget():
-    seqs = [[1] * n for n in (5, 9, 3, 7, 2, 12)]
-    rows = pack(seqs, max_tokens_per_row=12)
-    assert sorted(i for r in rows for i in r.members) == list(range(6))
-    for r in rows:
-        assert r.input_ids.shape[1] <= 12
-        for i, off in zip(r.members, r.offsets):
-            assert r.position_ids[0, off:off + len(seqs[i])].tolist() == list(range(len(seqs[i])))
-    assert len(rows) == 4  # 38 tokens need at least 4 rows of 12
+def test_micro_batches_cover_every_row_once_within_budget_longest_first():
+    lengths = (5, 9, 3, 7, 2, 12)
+    samples = [Sample(group_id=0, prompt=[], answer="",
+                      trace=TokenTrace([1] * n, [1] * n, [0.0] * n, [0] * n)) for n in lengths]
+    tb = TokenBatch.build(samples, version=0)
+    assert tb.input_ids.shape == (6, 12) and tb.loss_mask.shape == (6, 11)
+    pieces = tb.micro_batches(list(range(6)), max_tokens=20)
+    assert sorted(i for idx, _ in pieces for i in idx.tolist()) == list(range(6))
+    for idx, width in pieces:
+        assert width == max(lengths[i] for i in idx.tolist())
+        assert len(idx) == 1 or len(idx) * width <= 20
+    assert [idx.tolist() for idx, _ in pieces] == [[5], [1, 3], [0, 2, 4]]  # 12 | 9+7 | 5+3+2
+    assert tb.pad_frac(pieces) == pytest.approx(1 - 38 / (12 + 18 + 15))
 
 
 def _trainer(path, lr=1e-3, **kw):
@@ -69,9 +73,10 @@ def _batch(tokenizer, texts):
     return out
 
 
-def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer):
+@pytest.mark.parametrize("micro_batch_tokens", [4096, 40])  # one padded forward; several
+def test_padded_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer, micro_batch_tokens):
     batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("1", 0.0)]), ("7+7=", [("14", 1.0), ("99999", 0.0)])])
-    trainer = _trainer(tiny_model_path, micro_batch_tokens=4096, track_ref_kl=False)
+    trainer = _trainer(tiny_model_path, micro_batch_tokens=micro_batch_tokens, ref_kl_every_n_steps=0)
     packed = trainer.compute_old_logprobs(batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     for s, lp in zip(batch, packed):
@@ -83,7 +88,7 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer
 
 def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("99", 0.0), ("15", 1.0), ("99", 0.0)])])
-    trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=True)
+    trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=1)
     before = trainer.compute_old_logprobs(batch)
     for s, lp in zip(batch, before):
         s.trace.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
@@ -102,7 +107,7 @@ def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, to
 def test_failed_samples_are_not_trained(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
     batch[0].status = Status.FAILED
-    trainer = _trainer(tiny_model_path, track_ref_kl=False)
+    trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=0)
     metrics = trainer.fit(batch, 0)
     assert metrics["train/response_tokens"] == batch[1].response_length
 
@@ -122,7 +127,7 @@ def test_lr_schedules():
 def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
     batch.append(Sample(group_id=0, prompt=[], answer="", status=Status.FAILED))  # no tokens at all
-    trainer = _trainer(tiny_model_path, track_ref_kl=True)
+    trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=1)
     lps = trainer.compute_ref_logprobs(batch)
     assert len(lps) == 3 and lps[2].numel() == 0 and lps[0].numel() == len(batch[0].tokens)
     trained = trainer.fit(batch, 0)["train/response_tokens"]
@@ -131,7 +136,7 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
 
 def test_no_signal_means_no_update(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("2", 1.0)]), ("2+2=", [("5", 0.0), ("3", 0.0)])])
-    trainer = GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=2, track_ref_kl=False,
+    trainer = GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     batch[0].reward = 0.0  # first step has signal: Adam builds momentum
     trainer.fit(batch, 0)
@@ -156,7 +161,7 @@ def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, token
     texts = [("12+3=", [("15", 1.0), ("99", 0.0), ("1", 0.0)])]
     steps = {}
     for mode in ("none", correction):
-        trainer = _trainer(tiny_model_path, lr=0.05, track_ref_kl=False, off_policy_correction=mode,
+        trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, off_policy_correction=mode,
                            is_cap=10.0)
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         trainer.fit(_on_policy(trainer, _batch(tokenizer, texts), version=0), 0)
@@ -169,7 +174,7 @@ def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, token
 def test_importance_weights_are_truncated_and_broken_down_by_staleness(tiny_model_path, tokenizer):
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
     for mode in ("decoupled", "tis"):
-        trainer = _trainer(tiny_model_path, track_ref_kl=False, off_policy_correction=mode, is_cap=2.0)
+        trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=0, off_policy_correction=mode, is_cap=2.0)
         batch = _on_policy(trainer, _batch(tokenizer, texts), version=4)
         for s in batch[2:]:  # the second group is one version old, its behaviour policy less sure
             s.trace.logprobs = [lp - 1.0 if m else lp for lp, m in zip(s.logprobs, s.loss_mask)]
@@ -194,7 +199,7 @@ def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
 
     def make():
-        return GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=10, track_ref_kl=False,
+        return GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=10, ref_kl_every_n_steps=0,
                            lr_schedule="cosine", warmup_steps=3,
                            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
 
@@ -209,3 +214,16 @@ def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
     wa, wb = dict(a.weights()), dict(b.weights())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], v) for k, v in make().weights())  # the steps moved them
+
+
+def test_reference_forward_runs_only_on_the_steps_that_log_kl(tiny_model_path, tokenizer):
+    texts = [("12+3=", [("15", 1.0), ("99", 0.0)])]
+    trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=3)
+    calls = []
+    forward = trainer.ref.forward
+    trainer.ref.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    logged = ["train/kl" in trainer.fit(_batch(tokenizer, texts), v) for v in range(6)]
+    assert logged == [False, False, True, False, False, True] and len(calls) == 2
+    assert _trainer(tiny_model_path, ref_kl_every_n_steps=0).ref is None  # nothing uses it: not kept
+    with_loss = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, kl_coef=0.1)
+    assert all("train/kl" in with_loss.fit(_batch(tokenizer, texts), v) for v in range(2))

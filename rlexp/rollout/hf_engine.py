@@ -8,13 +8,12 @@ from dataclasses import astuple
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
 from rlexp.rollout.accounting import BusyMeter, count_generated
-from rlexp.rollout.weights import WEIGHTS_FILE
+from rlexp.rollout.weights import WEIGHTS_FILE, read_shared
 from rlexp.sample import Generation, SamplingConfig
 
 
@@ -120,7 +119,7 @@ class HFEngine:
 
     async def load_weights(self, directory: Path, version: int) -> None:
         async with self._lock:  # not while a batch generates
-            self.model.load_state_dict(load_file(str(directory / WEIGHTS_FILE), device=self.device))
+            self.model.load_state_dict(dict(read_shared(directory / WEIGHTS_FILE)))
             self.version = version
 
     async def pause(self, interrupt: bool) -> None:

@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 class VLLMEngine:
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
-    Weights: `load_weights` reloads a safetensors file in place in the engine's workers
-    (`reload_weights`); see rlexp/rollout/weights.py."""
+    Weights: `load_weights` reloads a safetensors file in place in the engine's workers,
+    from a shared mapping of it (rlexp/rollout/vllm_worker.py, rlexp/rollout/weights.py)."""
 
     def __init__(
         self,
@@ -44,6 +44,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = False,
         enforce_eager: bool = True,
         max_num_batched_tokens: int = 8192,
+        weight_transfer_backend: str | None = None,
     ):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -64,7 +65,10 @@ class VLLMEngine:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_sleep_mode=enable_sleep_mode and on_gpu,
+            worker_extension_cls="rlexp.rollout.vllm_worker.SharedWeightLoader",
         )
+        if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
+            kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
@@ -177,7 +181,12 @@ class VLLMEngine:
     async def load_weights(self, directory: Path, version: int) -> None:
         """Reload `directory/model.safetensors` in place; from now on tokens carry `version`."""
         with self._engine_alive():
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(directory)})
+            await self.llm.collective_rpc("load_shared_weights", args=(str(directory),))
+        await self.weights_loaded(version)
+
+    async def weights_loaded(self, version: int) -> None:
+        """New weights are in place (by whatever transport): from now on tokens carry `version`."""
+        with self._engine_alive():
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.version = version
 

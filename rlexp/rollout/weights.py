@@ -4,17 +4,21 @@ A transport takes the trainer's full tensors by name (`Trainer.weights()`, one a
 and makes the engine serve them as policy `version` (the loop's number). The scheduler
 decides *when* (between batches, or with the engine paused); the transport decides *how*:
 
-    RamFileTransport   same node, no GPU: one safetensors file in RAM (/dev/shm), which the
-                       engine reloads in place (vLLM: `reload_weights` in its workers)
+    RamFileTransport   same node, no GPU: one safetensors file in RAM (/dev/shm), mapped
+                       once and overwritten in place at every sync (one copy per tensor);
+                       the engine maps the same file and loads from views of it
 
 Later transports (Ray's object store across nodes; vLLM's native NCCL / CUDA-IPC weight
 transfer on GPU) implement the same `transfer(weights, engine, version)`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,10 +27,14 @@ from safetensors.torch import save_file
 from rlexp.protocols import LoadsWeightFiles, NamedTensors
 
 WEIGHTS_FILE = "model.safetensors"
+ALIASES = "rlexp.aliases"  # metadata key: {name: name it shares storage with} (tied weights)
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_TORCH = {v: k for k, v in _DTYPES.items()}
 
 
 def save_safetensors(weights: NamedTensors, directory: Path) -> Path:
-    """Write named tensors as one safetensors file, atomically.
+    """Write named tensors as one standalone safetensors file, atomically (checkpoints).
 
     Tied tensors (e.g. lm_head / embed_tokens) are cloned: safetensors refuses shared
     storage, and leaving one name out makes some loaders keep a stale copy."""
@@ -46,15 +54,84 @@ def save_safetensors(weights: NamedTensors, directory: Path) -> Path:
     return final
 
 
+def read_shared(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a safetensors file as views of one shared mapping of it (no copy),
+    tied names included (metadata `rlexp.aliases`). Valid while the file is not rewritten."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {}) or {}
+    buf = torch.from_file(str(path), shared=True, size=path.stat().st_size, dtype=torch.uint8)
+    views = {}
+    for name, h in header.items():
+        start, end = h["data_offsets"]
+        views[name] = buf[8 + n + start: 8 + n + end].view(_TORCH[h["dtype"]]).view(h["shape"])
+        yield name, views[name]
+    for alias, target in json.loads(meta.get(ALIASES, "{}")).items():
+        yield alias, views[target]
+
+
+class _SharedFile:
+    """A safetensors file whose layout is fixed at the first write and whose data region is
+    mapped into this process, so a sync is one `copy_` per tensor (no serialisation, no
+    page faults after the first). Tensors sharing storage are written once, as aliases."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None
+        self.slots: dict[str, torch.Tensor] = {}
+
+    def write(self, weights: NamedTensors) -> None:
+        tensors, aliases, owner = [], {}, {}
+        for name, t in weights:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)
+            if key in owner:
+                aliases[name] = owner[key]
+                continue
+            owner[key] = name
+            tensors.append((name, t.detach()))
+        layout = [(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+        if layout != self.layout:
+            self._create(layout, aliases)
+        with torch.no_grad():
+            for name, t in tensors:
+                self.slots[name].copy_(t)
+
+    def _create(self, layout, aliases) -> None:
+        header: dict = {"__metadata__": {"format": "pt", ALIASES: json.dumps(aliases)}}
+        offset = 0
+        for name, dtype, shape in layout:
+            size = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+        tmp.replace(self.path)
+        buf = torch.from_file(str(self.path), shared=True, size=8 + len(raw) + offset, dtype=torch.uint8)
+        data = buf[8 + len(raw):]
+        self.slots = {}
+        for name, dtype, shape in layout:
+            start, end = header[name]["data_offsets"]
+            self.slots[name] = data[start:end].view(dtype).view(shape)
+        self.layout = layout
+
+
 class RamFileTransport:
-    """The weights as a safetensors file in a RAM-backed directory; the engine reloads it."""
+    """The weights as a safetensors file in a RAM-backed directory, rewritten in place; the
+    engine loads it (vLLM: mapped by its workers, no file parsing; HF: `read_shared`)."""
 
     def __init__(self, directory: str | None = None):
         shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="rlexp-weights-", dir=shm))
+        self.file = _SharedFile(self.directory / WEIGHTS_FILE)
 
     async def transfer(self, weights: NamedTensors, engine: LoadsWeightFiles, version: int) -> None:
-        save_safetensors(weights, self.directory)
+        self.file.write((name, t.to("cpu", copy=False)) for name, t in weights)
         await engine.load_weights(self.directory, version)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class MlflowTracker:
     trace_sample_rate: Fraction = 0.0
     run_id: str | None = field(default=None, init=False)
     tags: dict[str, str] = field(default_factory=dict, init=False)  # e.g. the sweep's parent run, job number
+    # Trace JSONL files are serialised and written by one background thread, off the loop.
+    _writer: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    _pending: list[Future] = field(default_factory=list, init=False, repr=False)
 
     def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -71,7 +75,10 @@ class MlflowTracker:
 
     def flush(self) -> None:
         """Make sure everything logged so far is in the store (before a checkpoint says so):
-        metrics and, logged asynchronously too, sampled traces."""
+        metrics, trace files and sampled traces, all logged asynchronously."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()  # a failed write raises here
         mlflow.flush_async_logging()
         mlflow.flush_trace_async_logging()
 
@@ -81,8 +88,11 @@ class MlflowTracker:
     def log_samples(self, samples, step: int, decode, name: str = "traces") -> None:
         if not self.log_traces or step % self.traces_every_n_steps:
             return
-        lines = "\n".join(json.dumps(s.to_trace(decode)) for s in samples)
-        mlflow.log_text(lines + "\n", f"{name}/step_{step:05d}.jsonl")
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="rlexp-traces")
+        self._pending = [f for f in self._pending if not f.done() or f.exception()]
+        self._pending.append(self._writer.submit(write_trace_file, self.run_id, samples, decode,
+                                                 f"{name}/step_{step:05d}.jsonl"))
         if name == "traces" and self.trace_sample_rate > 0:
             rng = random.Random(step)  # the same samples are picked on a rerun
             for s in samples:
@@ -96,6 +106,17 @@ class MlflowTracker:
             self.flush()
             mlflow.end_run(status=status)
             self.run_id = None
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+
+
+def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
+    """One step's trajectories as a JSONL artifact of the run (token ids, masks, logprobs,
+    versions, decoded text). Runs on the writer thread: the run is named explicitly, since
+    MLflow's active run belongs to the loop's thread."""
+    lines = "\n".join(json.dumps(s.to_trace(decode)) for s in samples)
+    MlflowClient().log_text(run_id, lines + "\n", artifact_file)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,9 @@
-"""GRPO TrainController: old/ref logprobs, group advantages, clipped token-level loss, sync.
+"""GRPO TrainController: group advantages, clipped token-level loss, optimizer step.
 
-`fit(batch, version)` = compute_old_logprobs (or the rollout's behaviour logprobs)
-                      -> compute_ref_logprobs -> compute_advantages -> update.
-Per-token tensors are aligned to `Sample.tokens`; entry k is log p(token k | tokens < k),
-entry 0 is unused (0)."""
+`fit(batch, version)` = advantages -> the trained samples as one TokenBatch (padded tensors,
+built once) -> proximal logprobs (the rollout's, or recomputed) -> reference logprobs (only
+when the loss or this step's `train/kl` needs them) -> forward/backward per micro-batch ->
+optimizer step; metrics stay tensors until one host transfer at the end."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from annotated_types import Ge
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlexp.constraints import AtLeast1, NonNegative, Positive
+from rlexp.constraints import AtLeast0, AtLeast1, NonNegative, Positive
 from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
 from rlexp.trainer.advantages import group_advantages
-from rlexp.trainer.losses import clipped_pg_loss, entropy_from_logits, k3_kl, truncated_is_pg_loss
-from rlexp.trainer.packer import PackedRow, pack
+from rlexp.trainer.losses import clipped_pg_loss, k3_kl, truncated_is_pg_loss
+from rlexp.trainer.token_batch import TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class GRPOTrainer:
         clip_ratio_low: NonNegative = 0.2,
         clip_ratio_high: NonNegative = 0.2,
         kl_coef: NonNegative = 0.0,
-        track_ref_kl: bool = True,
+        ref_kl_every_n_steps: AtLeast0 = 25,
         entropy_coef: float = 0.0,
         max_grad_norm: Positive = 1.0,
         norm_adv_by_std: bool = True,
@@ -77,7 +77,7 @@ class GRPOTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers' stub for .to
         self.ref = None
-        if kl_coef > 0 or track_ref_kl:
+        if kl_coef > 0 or ref_kl_every_n_steps > 0:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = optimizer(self.model.parameters())
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -86,6 +86,7 @@ class GRPOTrainer:
         # the loss
         self.clip = (clip_ratio_low, clip_ratio_high)
         self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
+        self.ref_kl_every_n_steps = ref_kl_every_n_steps
         self.norm_adv_by_std = norm_adv_by_std
         # off-policy data: which logprobs the ratio is taken against, and how it is corrected
         self.old_logprobs, self.correction, self.is_cap = old_logprobs, off_policy_correction, is_cap
@@ -95,12 +96,13 @@ class GRPOTrainer:
     # ---- low-level API -------------------------------------------------------------
     @torch.no_grad()
     def compute_old_logprobs(self, batch: list[Sample]) -> list[torch.Tensor]:
-        """Logprobs of the batch's tokens under the current policy (before this update)."""
-        return self._logprobs(self.model, batch)
+        """Logprobs of the batch's tokens under the current policy (before this update),
+        one tensor per sample aligned to its tokens (entry 0 is 0)."""
+        return self._per_sample(self.model, batch)
 
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: list[Sample]) -> list[torch.Tensor] | None:
-        return None if self.ref is None else self._logprobs(self.ref, batch)
+        return None if self.ref is None else self._per_sample(self.ref, batch)
 
     def compute_advantages(self, batch: list[Sample]) -> torch.Tensor:
         """Over each group's completed samples; a failed sample (never trained) gets 0 and
@@ -110,46 +112,17 @@ class GRPOTrainer:
                   for i, s in enumerate(batch)]
         return group_advantages(rewards, groups, self.norm_adv_by_std)
 
-    def update(self, batch: list[Sample], version: int, old: list[torch.Tensor], adv: torch.Tensor,
-               ref: list[torch.Tensor] | None = None, step: bool = True,
-               behav: list[torch.Tensor] | None = None) -> dict[str, float]:
-        """Optimizer steps (none if not `step`) over `minibatches_per_step` slices of the
-        batch. `old`: the proximal logprobs the PPO ratio is clipped around; `behav`: the
-        rollout's (default `old`); `version`: the policy version being trained."""
-        behav = old if behav is None else behav
-        idx = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
-        stats: dict[str, list[float]] = {}
-        offpolicy: dict[int, list[float]] = {}  # staleness -> [tokens, sum of ratios, sum of k3]
-        n_mb = min(self.minibatches_per_step, max(len(idx), 1))
-        for m in range(n_mb):
-            part = idx[m::n_mb]
-            if not part:
-                continue
-            self._update_minibatch([batch[i] for i in part], version, [old[i] for i in part],
-                                   adv[part], None if ref is None else [ref[i] for i in part],
-                                   stats, first=m == 0, step=step, behav=[behav[i] for i in part],
-                                   offpolicy=offpolicy)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        # Trainer vs rollout, by staleness, measured before the first optimizer step.
-        for k, (n, ratio_sum, kl_sum) in sorted(offpolicy.items()):
-            out[f"offpolicy/tokens/staleness_{k}"] = n
-            out[f"offpolicy/ratio_mean/staleness_{k}"] = ratio_sum / n
-            out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
-        return out
-
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
-        behav = [torch.tensor(s.logprobs, dtype=torch.float32) for s in batch]
-        if self.old_logprobs == "recompute" or self.correction == "decoupled":
-            old = self.compute_old_logprobs(batch)  # the proximal policy: these weights
-        else:
-            old = behav
-        ref = self.compute_ref_logprobs(batch)
         adv = self.compute_advantages(batch)
         # Every group's rewards equal and no KL/entropy term: the gradient is zero. An optimizer
         # step would still move the weights on Adam's momentum from earlier steps, so skip it
         # (the forward still runs: loss, entropy and KL are logged as on any step).
         no_signal = not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0
-        metrics = self.update(batch, version, old, adv, ref, step=not no_signal, behav=behav)
+        trained = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
+        metrics: dict[str, float] = {}
+        if trained:
+            tb = TokenBatch.build([batch[i] for i in trained], version)
+            metrics = self._update(tb, adv[trained], version, step=not no_signal)
         metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
@@ -172,113 +145,150 @@ class GRPOTrainer:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     # ---- internals -----------------------------------------------------------------
-    def _rows(self, samples: list[Sample]) -> list[PackedRow]:
-        return pack([s.tokens for s in samples], self.micro_batch_tokens)
+    @property
+    def fits_done(self) -> int:
+        return self.lr_scheduler.last_epoch  # one schedule step per fit; restored by `load`
 
-    def _row_forward(self, model, row: PackedRow, samples: list[Sample], entropy: bool = False):
-        """Logprobs (and entropies) of every predicted token of a packed row, in member order."""
-        logits = model(input_ids=row.input_ids.to(self.device),
-                       position_ids=row.position_ids.to(self.device), use_cache=False).logits[0]
-        logits = logits.float() / self.temperature
-        pred = torch.cat([torch.arange(o, o + len(samples[i].tokens) - 1)
-                          for i, o in zip(row.members, row.offsets)]).to(self.device)
-        targets = row.input_ids[0, 1:].to(self.device)[pred]
-        logp = torch.log_softmax(logits[pred], -1).gather(-1, targets[:, None])[:, 0]
-        ent = entropy_from_logits(logits[pred]) if entropy else None
+    def _wants_ref(self) -> bool:
+        """The reference forward costs as much as the policy's: run it only when the loss
+        uses it, or on the steps that log `train/kl`."""
+        every = self.ref_kl_every_n_steps
+        logs_kl = every > 0 and (self.fits_done + 1) % every == 0
+        return self.ref is not None and (self.kl_coef > 0 or logs_kl)
+
+    def _forward(self, model, tb: TokenBatch, idx: torch.Tensor, width: int, entropy: bool = False):
+        """Logprobs (and entropies) of the predicted tokens of rows `idx`, [n, width-1]."""
+        ids = tb.input_ids[idx, :width].to(self.device)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / self.temperature
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
+        ent = None
+        if entropy:  # logged every step; differentiated only when the loss has an entropy term
+            src = logp_all if self.entropy_coef else logp_all.detach()
+            ent = -(src.exp() * src).sum(-1)
         return logp, ent
 
-    def _logprobs(self, model, samples: list[Sample]) -> list[torch.Tensor]:
+    @torch.no_grad()
+    def _logprobs(self, model, tb: TokenBatch) -> torch.Tensor:
+        """[N, L-1] logprobs of every row's predicted tokens (0 on padding)."""
+        out = torch.zeros(tb.loss_mask.shape, device=self.device)
+        for idx, width in tb.micro_batches(list(range(len(tb))), self.micro_batch_tokens):
+            out[idx.to(self.device), :width - 1] = self._forward(model, tb, idx, width)[0]
+        return out
+
+    def _per_sample(self, model, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-sample token logprobs; samples with fewer than 2 tokens (e.g. failed) get zeros."""
         out = [torch.zeros(len(s.tokens)) for s in samples]
         scored = [i for i, s in enumerate(samples) if len(s.tokens) >= 2]
-        subset = [samples[i] for i in scored]
-        for row in self._rows(subset):
-            logp, _ = self._row_forward(model, row, subset)
-            start = 0
-            for j in row.members:
-                n = len(subset[j].tokens) - 1
-                out[scored[j]] = torch.cat([torch.zeros(1), logp[start:start + n].cpu()])
-                start += n
+        if scored:
+            tb = TokenBatch.build([samples[i] for i in scored], version=0)
+            logp = self._logprobs(model, tb).cpu()
+            for row, i in enumerate(scored):
+                out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
 
-    def _update_minibatch(self, samples, version, old, adv, ref, stats, offpolicy, first: bool,
-                          step: bool = True, behav=None) -> None:
-        n_tokens = sum(s.response_length for s in samples)
-        low, high = self.clip
-        acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
-               "ratio_mean": 0.0, "ratio_max": 0.0, "mismatch_kl": 0.0}
-        if self.correction != "none":
-            acc |= {"is_weight_mean": 0.0, "is_weight_max": 0.0, "is_truncated_frac": 0.0}
-        masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-        advs = [torch.full((len(s.tokens),), adv[i].item()) for i, s in enumerate(samples)]
-        # Samples built by hand may carry no versions: count them as on-policy.
-        stale = [torch.tensor(s.token_staleness(version) if s.versions else [0] * len(s.tokens))
-                 for s in samples]
-        for row in self._rows(samples):
-            logp, ent = self._row_forward(self.model, row, samples, entropy=True)
-            members = row.members
+    def _update(self, tb: TokenBatch, adv: torch.Tensor, version: int, step: bool) -> dict[str, float]:
+        """Optimizer steps (none if not `step`) over `minibatches_per_step` slices of the
+        rows. The PPO ratio is clipped around the proximal logprobs (the rollout's, or
+        recomputed with these weights); metrics are summed as tensors and read once."""
+        dev = self.device
+        behav = tb.behav_logprobs.to(dev)
+        recompute = self.old_logprobs == "recompute" or self.correction == "decoupled"
+        old = self._logprobs(self.model, tb) if recompute else behav
+        ref = self._logprobs(self.ref, tb) if self._wants_ref() else None
+        mask_all, adv = tb.loss_mask.to(dev), adv.to(dev)
+        # staleness values present, read on the host from the samples: no device sync
+        levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        n_mb = min(self.minibatches_per_step, len(tb))
+        forwarded: list[tuple[torch.Tensor, int]] = []
+        for m in range(n_mb):
+            rows = list(range(m, len(tb), n_mb))
+            pieces = tb.micro_batches(rows, self.micro_batch_tokens)
+            forwarded += pieces
+            n_tokens = float(tb.loss_mask[rows].sum())
+            part: dict[str, torch.Tensor] = {}
+            for idx, width in pieces:
+                idx_d = idx.to(dev)
+                cols = slice(0, width - 1)
+                logp, ent = self._forward(self.model, tb, idx, width, entropy=True)
+                mask, old_lp, behav_lp = mask_all[idx_d, cols], old[idx_d, cols], behav[idx_d, cols]
+                a = adv[idx_d, None]
+                if self.correction == "tis":
+                    pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, a, self.is_cap)
+                    weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
+                else:
+                    pg, ratio, clipped = clipped_pg_loss(logp, old_lp, a, *self.clip)
+                if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
+                    behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
+                    weight = behav_weight.clamp(max=self.is_cap)
+                    truncated = (behav_weight > self.is_cap).float()
+                    pg = pg * weight
+                loss_tok = pg - self.entropy_coef * ent if self.entropy_coef else pg
+                kl = k3_kl(logp, ref[idx_d, cols]) if ref is not None else None
+                if kl is not None and self.kl_coef > 0:
+                    loss_tok = loss_tok + self.kl_coef * kl
+                loss = (loss_tok * mask).sum() / n_tokens
+                loss.backward()
+                tok = {"loss": loss_tok, "pg_loss": pg, "entropy": ent, "clip_frac": clipped,
+                       "ratio_mean": ratio}
+                if kl is not None:
+                    tok["kl"] = kl
+                if self.correction != "none":
+                    tok |= {"is_weight_mean": weight, "is_truncated_frac": truncated}
+                    _max(maxes, "is_weight_max", (weight * mask).max())
+                _max(maxes, "ratio_max", (ratio * mask).max())
+                # Before the first optimizer step the trainer holds the rollout policy, so this
+                # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
+                if m == 0:
+                    tok["mismatch_kl"] = k3_kl(logp, old_lp)
+                    stale = tb.staleness[idx, cols].to(dev)
+                    _offpolicy_sums(part, logp.detach(), behav_lp, stale, mask, levels)
+                for k, v in tok.items():
+                    _add(part, k, (v.detach() * mask).sum() / n_tokens)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            if step:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            _add(part, "grad_norm", grad_norm)
+            for k, v in part.items():
+                _add(sums, k, v)
+        means = {f"train/{k}": v / (1 if k.startswith("offpolicy") or k == "mismatch_kl" else n_mb)
+                 for k, v in sums.items()}
+        names = list(means) + [f"train/{k}" for k in maxes]
+        values = torch.stack([*means.values(), *maxes.values()]).tolist()  # the one host transfer
+        out = dict(zip(names, values))
+        out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
+        out["train/pad_frac"] = tb.pad_frac(forwarded)
+        return _offpolicy_report(out, levels)
 
-            def cat(xs, members=members):  # per-sample token tensors -> this row's predictions
-                return torch.cat([xs[i][1:] for i in members]).to(self.device)
 
-            mask, old_lp, behav_lp = cat(masks), cat(old), cat(behav)
-            if self.correction == "tis":
-                pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, cat(advs), self.is_cap)
-                weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
-            else:
-                pg, ratio, clipped = clipped_pg_loss(logp, old_lp, cat(advs), low, high)
-            if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
-                behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
-                weight = behav_weight.clamp(max=self.is_cap)
-                truncated = (behav_weight > self.is_cap).float()
-                pg = pg * weight
-            loss_tok = pg - self.entropy_coef * ent
-            kl = k3_kl(logp, cat(ref)) if ref is not None else None
-            if kl is not None and self.kl_coef > 0:
-                loss_tok = loss_tok + self.kl_coef * kl
-            loss = (loss_tok * mask).sum() / n_tokens
-            loss.backward()
+def _add(acc: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    acc[key] = acc[key] + value if key in acc else value
 
-            def masked_mean(x, mask=mask):  # share of this minibatch's token-mean
-                return (x.detach() * mask).sum().item() / n_tokens
 
-            acc["loss"] += loss.item()
-            acc["pg_loss"] += masked_mean(pg)
-            acc["entropy"] += masked_mean(ent)
-            acc["clip_frac"] += masked_mean(clipped)
-            acc["ratio_mean"] += masked_mean(ratio)
-            acc["ratio_max"] = max(acc["ratio_max"], (ratio * mask).max().item())
-            if kl is not None:
-                acc["kl"] += masked_mean(kl)
-            if self.correction != "none":
-                acc["is_weight_mean"] += masked_mean(weight)
-                acc["is_weight_max"] = max(acc["is_weight_max"], (weight * mask).max().item())
-                acc["is_truncated_frac"] += masked_mean(truncated)
-            # Before the first optimizer step the trainer holds the rollout policy, so this
-            # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
-            if first:
-                acc["mismatch_kl"] += masked_mean(k3_kl(logp, old_lp))
-                self._offpolicy_by_staleness(offpolicy, logp.detach(), behav_lp, cat(stale), mask.bool())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if step:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        acc["grad_norm"] = grad_norm.item()
-        acc["response_tokens"] = float(n_tokens)
-        if ref is None:
-            del acc["kl"]  # no reference model: nothing measured, log nothing
-        if not first:
-            del acc["mismatch_kl"]
-        for k, v in acc.items():
-            stats.setdefault(f"train/{k}", []).append(v)
+def _max(acc: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    acc[key] = torch.maximum(acc[key], value) if key in acc else value
 
-    @staticmethod
-    def _offpolicy_by_staleness(acc: dict[int, list[float]], logp, behav_lp, staleness, mask) -> None:
-        """Per staleness value: token count, sum of pi/pi_behav, sum of k3 KL between them."""
-        ratio, kl = torch.exp(logp - behav_lp), k3_kl(logp, behav_lp)
-        for k in staleness[mask].unique().tolist():
-            sel = (staleness == k) & mask
-            totals = acc.setdefault(k, [0.0, 0.0, 0.0])
-            totals[0] += sel.sum().item()
-            totals[1] += ratio[sel].sum().item()
-            totals[2] += kl[sel].sum().item()
+
+def _offpolicy_sums(acc, logp, behav_lp, staleness, mask, levels) -> None:
+    """Per staleness value: token count, sum of pi/pi_behav, sum of k3 KL between them."""
+    ratio, kl = torch.exp(logp - behav_lp), k3_kl(logp, behav_lp)
+    for k in levels:
+        sel = ((staleness == k) & mask.bool()).float()
+        _add(acc, f"offpolicy/{k}/tokens", sel.sum())
+        _add(acc, f"offpolicy/{k}/ratio", (ratio * sel).sum())
+        _add(acc, f"offpolicy/{k}/kl", (kl * sel).sum())
+
+
+def _offpolicy_report(out: dict[str, float], levels: list[int]) -> dict[str, float]:
+    """Trainer vs rollout, by staleness, measured before the first optimizer step."""
+    for k in levels:
+        n = out.pop(f"train/offpolicy/{k}/tokens")
+        ratio_sum, kl_sum = out.pop(f"train/offpolicy/{k}/ratio"), out.pop(f"train/offpolicy/{k}/kl")
+        if n:
+            out[f"offpolicy/tokens/staleness_{k}"] = n
+            out[f"offpolicy/ratio_mean/staleness_{k}"] = ratio_sum / n
+            out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
+    return out

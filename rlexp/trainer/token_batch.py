@@ -1,0 +1,67 @@
+"""The trained samples as flat right-padded tensors, built once per fit.
+
+Per-token tensors have L-1 columns: column k is the prediction of token k+1 from tokens
+0..k, so `logprobs[:, k]` is log p(tokens[k+1] | tokens[:k+1]). Padding sits after every
+real token, and a causal model never lets a real token see a later position, so rows need
+no attention mask: the padded positions' outputs are computed and then masked out.
+
+Why padding and not packing: on the default task (256 sequences of <= 29 tokens) one
+padded [256, 29] forward+backward took 0.33 s against 0.62 s for the same tokens packed
+into 15 rows of 512 run one at a time (attention over a packed row is quadratic in the
+row, and rows at batch size 1 use the cores poorly). Sorting by length before cutting
+micro-batches keeps the padding small when lengths vary (`pad_frac` reports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlexp.sample import Sample
+
+
+def _padded(rows: list[list], width: int, value, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [N, L] long, right-padded with 0
+    loss_mask: torch.Tensor  # [N, L-1] float: 1 where the predicted token is trained
+    behav_logprobs: torch.Tensor  # [N, L-1] the rollout's logprob of each predicted token
+    staleness: torch.Tensor  # [N, L-1] long: policy versions between rollout and `version`
+    lengths: list[int]  # real tokens per row
+
+    @classmethod
+    def build(cls, samples: list[Sample], version: int) -> TokenBatch:
+        """`version`: the policy being trained. Samples built by hand may carry no versions:
+        they count as on-policy."""
+        width = max(len(s.tokens) for s in samples)
+        stale = [s.token_staleness(version) if s.versions else [0] * len(s.tokens) for s in samples]
+        return cls(
+            input_ids=_padded([s.tokens for s in samples], width, 0, torch.long),
+            loss_mask=_padded([s.loss_mask for s in samples], width, 0, torch.float32)[:, 1:],
+            behav_logprobs=_padded([s.logprobs for s in samples], width, 0.0, torch.float32)[:, 1:],
+            staleness=_padded(stale, width, 0, torch.long)[:, 1:],
+            lengths=[len(s.tokens) for s in samples])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def micro_batches(self, rows: list[int], max_tokens: int) -> list[tuple[torch.Tensor, int]]:
+        """`rows` cut into (row indices, width) pieces of at most `max_tokens` padded tokens
+        (a single longer row gets a piece alone), longest rows first."""
+        order = sorted(rows, key=lambda i: -self.lengths[i])
+        pieces: list[list[int]] = []
+        for i in order:
+            if pieces and (len(pieces[-1]) + 1) * self.lengths[pieces[-1][0]] <= max_tokens:
+                pieces[-1].append(i)
+            else:
+                pieces.append([i])
+        return [(torch.tensor(p), self.lengths[p[0]]) for p in pieces]
+
+    def pad_frac(self, pieces: list[tuple[torch.Tensor, int]]) -> float:
+        """Share of the forwarded positions that are padding."""
+        forwarded = sum(len(idx) * width for idx, width in pieces)
+        real = sum(self.lengths[i] for idx, _ in pieces for i in idx.tolist())
+        return 1.0 - real / forwarded if forwarded else 0.0
