@@ -8,11 +8,21 @@ from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 
 
-def render_prompt(tokenizer, messages) -> list[int]:
-    """Chat-template the prompt messages into token ids (the only tokenization we do)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes special tokens as text; add_special_tokens=False adds no BOS twice.
+def encode(tokenizer, text: str) -> list[int]:
+    """Text to token ids, adding no special tokens (a chat template writes them as text, so
+    none is added twice). A fast tokenizer encodes one text directly: its batch path
+    (`tokenizer.encode`) wakes a thread pool per call, which cost ~0.9 ms a prompt while
+    vLLM held the other core (~0.05 ms alone)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=False).ids
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_prompt(tokenizer, messages) -> list[int]:
+    """Chat-template the prompt messages into token ids."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode(tokenizer, text)
 
 
 def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:

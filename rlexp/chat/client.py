@@ -23,6 +23,7 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
+from rlexp.agents.single_turn import encode
 from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.errors import SessionError
 from rlexp.protocols import RolloutEngine
@@ -174,7 +175,7 @@ class SessionStore:
         """/v1/completions: a text prompt (or token ids) in, text out; not session-tracked."""
         prompt = request.get("prompt")
         if isinstance(prompt, str) and prompt:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = encode(self.tokenizer, prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = prompt
         else:

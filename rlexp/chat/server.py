@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlexp.agents.single_turn import encode
 from rlexp.errors import SessionError
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def create_app(store, api_key: str | None = None) -> FastAPI:
             text = body["prompt"]
         else:
             raise SessionError("give 'messages' or 'prompt'")
-        tokens = store.tokenizer.encode(text, add_special_tokens=False)
+        tokens = encode(store.tokenizer, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": store.max_context}
 
     return app

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from rlexp.agents.single_turn import encode
 from rlexp.errors import SessionError
 from rlexp.sample import Generation, Sample, Status, TokenTrace
 
@@ -59,7 +60,7 @@ class ChatSession:
                                                   tokenize=False, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode(self.tokenizer, text)
 
     def prepare(self, messages: list[dict[str, Any]], tools: list | None = None) -> Branch:
         """The branch to continue for `messages`, with the new prompt tokens appended."""

@@ -187,6 +187,28 @@ class GRPOTrainer:
                 out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
 
+    def _token_terms(self, logp, ent, old_lp, behav_lp, adv, ref_lp):
+        """The per-token loss, and every per-token quantity logged with it."""
+        if self.correction == "tis":
+            pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, adv, self.is_cap)
+            weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
+        else:
+            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, adv, *self.clip)
+        if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
+            behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
+            weight = behav_weight.clamp(max=self.is_cap)
+            truncated = (behav_weight > self.is_cap).float()
+            pg = pg * weight
+        loss_tok = pg - self.entropy_coef * ent if self.entropy_coef else pg
+        terms = {"pg_loss": pg, "entropy": ent, "clip_frac": clipped, "ratio_mean": ratio}
+        if ref_lp is not None:
+            terms["kl"] = kl = k3_kl(logp, ref_lp)
+            if self.kl_coef > 0:
+                loss_tok = loss_tok + self.kl_coef * kl
+        if self.correction != "none":
+            terms |= {"is_weight_mean": weight, "is_truncated_frac": truncated}
+        return loss_tok, terms | {"loss": loss_tok}
+
     def _update(self, tb: TokenBatch, adv: torch.Tensor, version: int, step: bool) -> dict[str, float]:
         """Optimizer steps (none if not `step`) over `minibatches_per_step` slices of the
         rows. The PPO ratio is clipped around the proximal logprobs (the rollout's, or
@@ -214,31 +236,12 @@ class GRPOTrainer:
                 cols = slice(0, width - 1)
                 logp, ent = self._forward(self.model, tb, idx, width, entropy=True)
                 mask, old_lp, behav_lp = mask_all[idx_d, cols], old[idx_d, cols], behav[idx_d, cols]
-                a = adv[idx_d, None]
-                if self.correction == "tis":
-                    pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, a, self.is_cap)
-                    weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
-                else:
-                    pg, ratio, clipped = clipped_pg_loss(logp, old_lp, a, *self.clip)
-                if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
-                    behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
-                    weight = behav_weight.clamp(max=self.is_cap)
-                    truncated = (behav_weight > self.is_cap).float()
-                    pg = pg * weight
-                loss_tok = pg - self.entropy_coef * ent if self.entropy_coef else pg
-                kl = k3_kl(logp, ref[idx_d, cols]) if ref is not None else None
-                if kl is not None and self.kl_coef > 0:
-                    loss_tok = loss_tok + self.kl_coef * kl
-                loss = (loss_tok * mask).sum() / n_tokens
-                loss.backward()
-                tok = {"loss": loss_tok, "pg_loss": pg, "entropy": ent, "clip_frac": clipped,
-                       "ratio_mean": ratio}
-                if kl is not None:
-                    tok["kl"] = kl
-                if self.correction != "none":
-                    tok |= {"is_weight_mean": weight, "is_truncated_frac": truncated}
-                    _max(maxes, "is_weight_max", (weight * mask).max())
-                _max(maxes, "ratio_max", (ratio * mask).max())
+                ref_lp = ref[idx_d, cols] if ref is not None else None
+                loss_tok, tok = self._token_terms(logp, ent, old_lp, behav_lp, adv[idx_d, None], ref_lp)
+                ((loss_tok * mask).sum() / n_tokens).backward()
+                _max(maxes, "ratio_max", (tok["ratio_mean"] * mask).max())
+                if "is_weight_mean" in tok:
+                    _max(maxes, "is_weight_max", (tok["is_weight_mean"] * mask).max())
                 # Before the first optimizer step the trainer holds the rollout policy, so this
                 # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
                 if m == 0:
