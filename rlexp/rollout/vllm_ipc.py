@@ -77,7 +77,7 @@ class VllmIpcTransport:
         if not torch.cuda.is_available():
             raise RuntimeError("weight_transfer=vllm_ipc needs CUDA; on CPU use weight_transfer=ram_file")
         self.packed = packed
-        self._sender = None
+        self._sender: Any = None
 
     async def transfer(self, weights: NamedTensors, engine, version: int) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory

@@ -82,7 +82,9 @@ class _SharedFile:
         self.slots: dict[str, torch.Tensor] = {}
 
     def write(self, weights: NamedTensors) -> None:
-        tensors, aliases, owner = [], {}, {}
+        tensors: list[tuple[str, torch.Tensor]] = []
+        aliases: dict[str, str] = {}
+        owner: dict[tuple, str] = {}
         for name, t in weights:
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape)
             if key in owner:

@@ -88,6 +88,7 @@ class MlflowTracker:
     def log_samples(self, samples, step: int, decode, name: str = "traces") -> None:
         if not self.log_traces or step % self.traces_every_n_steps:
             return
+        assert self.run_id is not None, "log_samples before start()"
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="rlexp-traces")
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
