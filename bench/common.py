@@ -59,10 +59,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[float]:
+STEP_METRICS = {"step": "timing/step_s", "produce": "timing/produce_s", "fit": "timing/fit_s",
+                "sync": "timing/sync_s", "tokens": "rollout/response_length_mean"}
+
+
+def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[dict[str, float]]:
     """Run the rlexp loop in this process for `steps` steps of the experiment `overrides`
-    describe (MLflow store and checkpoints under `workdir`); `timing/step_s` of each step
-    (produce + fit + sync), as the loop logged it."""
+    describe (MLflow store and checkpoints under `workdir`); per step, what the loop logged:
+    step (produce + fit + sync), each phase's seconds and the mean response length."""
     import mlflow
 
     from rlexp.config import validate
@@ -77,5 +81,40 @@ def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[fl
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     run = client.search_runs([client.get_experiment_by_name(cfg.logger.experiment_name).experiment_id],
                              order_by=["attributes.start_time DESC"], max_results=1)[0]
-    history = sorted(client.get_metric_history(run.info.run_id, "timing/step_s"), key=lambda m: m.step)
-    return [m.value for m in history]
+    history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+               for name, key in STEP_METRICS.items()}
+    return [{name: history[name][step] for name in STEP_METRICS} for step in sorted(history["step"])]
+
+
+def child_block(cmd: list[str]) -> list[dict]:
+    """Run one block of a bench in a child process (its own engine, nothing shared). The
+    child gets `--out PATH` appended and writes its per-step records there as JSON (vLLM
+    prints to stdout, so stdout cannot carry them)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        res = subprocess.run([*cmd, "--out", out.name], capture_output=True, text=True,
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        if res.returncode != 0:
+            sys.exit(f"block {' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> dict[str, list[dict]]:
+    """Run each side's command `blocks` times, alternating which goes first, so both meet
+    the same machine; drop each block's first `warmup` steps. Prints one line per block:
+    the medians of every timed field."""
+    out: dict[str, list[dict]] = {name: [] for name in sides}
+    names = list(sides)
+    for b in range(blocks):
+        for name in names if b % 2 == 0 else names[::-1]:
+            steps = child_block(sides[name])[warmup:]
+            out[name] += steps
+            fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" for k in steps[0] if k != "step")
+            step = median([s["step"] for s in steps])
+            print(f"block {b} {name:<6} step {step:.3f} s  {fields}", flush=True)
+    return out

@@ -24,7 +24,7 @@ def _run_and_open(tmp_path, *overrides):
     cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", f"logger.tracking_uri={uri}",
            f"logger.artifact_location={tmp_path}/artifacts", "logger.experiment_name=test",
            f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
-           f"hydra.run.dir={tmp_path}/out", *overrides]
+           f"hydra.run.dir={tmp_path}/out", "trainer.ref_kl_every_n_steps=2", *overrides]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert res.returncode == 0, res.stderr[-4000:]
@@ -40,6 +40,8 @@ def _check_mlflow(client, run, total_steps=3, trace_version=1):
         assert key in run.data.metrics, key
     loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert loss_steps == list(range(1, total_steps + 1))
+    kl_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/kl")]
+    assert kl_steps == [2]  # the reference forward runs every ref_kl_every_n_steps=2 fits only
     eval_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")]
     assert eval_steps == [0, 2, 3]  # step 0 (before any update), every 2 steps, the end
     assert run.data.params["trainer.total_steps"] == str(total_steps)

@@ -45,6 +45,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         max_num_batched_tokens: int = 8192,
         weight_transfer_backend: str | None = None,
+        idle_spin_s: float | None = 0.05,
     ):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -87,6 +88,7 @@ class VLLMEngine:
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
         self.busy = BusyMeter()
+        self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
@@ -130,6 +132,10 @@ class VLLMEngine:
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
             structured_outputs=constraint,
         )
+        if self._idle_spin_s is not None:
+            spin, self._idle_spin_s = self._idle_spin_s, None
+            with self._engine_alive():
+                await self.llm.collective_rpc("set_idle_spin", args=(spin,))
         final, counted, version = None, 0, self.version
         self.busy.enter()
         try:

@@ -15,3 +15,20 @@ class SharedWeightLoader:
         parsing or copying the file first."""
         self.reload_weights(weights_iterator=read_shared(Path(directory) / WEIGHTS_FILE))  # type: ignore[attr-defined]
 
+
+    def set_idle_spin(self, seconds: float) -> int:
+        """After its last message, vLLM's worker keeps polling its input queue in a busy loop
+        (`sched_yield`) for a hard-coded second before it sleeps on a socket. On a CPU machine
+        that second is stolen from the trainer's fit, which starts right after rollout. vLLM
+        has no setting for it, so this sets the reader's `busy_loop_s` (an attribute of its
+        internal SpinCondition); returns how many it set (0 if vLLM renamed it)."""
+        import gc
+
+        try:
+            from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+        except ImportError:
+            return 0
+        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        for r in readers:
+            r.busy_loop_s = seconds
+        return len(readers)
