@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -92,6 +93,7 @@ def naive_steps(steps: int) -> list[dict[str, float]]:
         t3 = time.perf_counter()
         out.append(dict(step=t3 - t0, produce=t1 - t0, fit=t2 - t1, sync=t3 - t2,
                         tokens=sum(len(c) for _, c in rows) / len(rows)))
+    shutil.rmtree(shm)
     return out
 
 

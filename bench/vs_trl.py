@@ -5,7 +5,8 @@
 
 Both train the default experiment's model on its arithmetic prompts (chat-templated),
 32 prompts x 8 completions a step, temperature 1, lr 5e-4, no KL (TRL beta=0; rlexp
-kl_coef=0), grad clip 1, one update per batch, on the CPU. TRL generates with transformers
+kl_coef=0), grad clip 1, one update per batch, float32 without gradient checkpointing (TRL's
+defaults are bf16 and checkpointing; both are turned off), on the CPU. TRL generates with transformers
 (its vLLM modes need a GPU); rlexp with vLLM. At 8 new tokens the model is the default
 warm-started one (answers stop after ~3-4 tokens); for longer settings it is the untrained
 model, whose completions run to the limit, so both sides really generate that many tokens
@@ -60,7 +61,10 @@ def trl_steps(spec: dict, steps: int) -> list[dict[str, float]]:
             gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
             max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
             learning_rate=spec["lr"], weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
-            warmup_steps=0, epsilon=0.2, dataloader_num_workers=0)
+            warmup_steps=0, epsilon=0.2, dataloader_num_workers=0,
+            # TRL's defaults are bf16 autocast and gradient checkpointing; rlexp trains in float32
+            # without checkpointing, so both sides do the same arithmetic.
+            bf16=False, gradient_checkpointing=False)
         data = Dataset.from_list([{"prompt": p["messages"], "answer": p["answer"]} for p in spec["problems"]])
         trainer = GRPOTrainer(model=spec["model"], reward_funcs=correct, args=args, train_dataset=data,
                               callbacks=[StepTimer()])
@@ -68,11 +72,11 @@ def trl_steps(spec: dict, steps: int) -> list[dict[str, float]]:
     return records
 
 
-def rlexp_steps(spec: dict, steps: int) -> list[dict[str, float]]:
+def rlexp_steps(spec: dict, steps: int, overrides: list[str]) -> list[dict[str, float]]:
     from common import rlexp_step_times
 
     with tempfile.TemporaryDirectory() as tmp:
-        return rlexp_step_times(spec["overrides"], steps, Path(tmp))
+        return rlexp_step_times(spec["overrides"] + overrides, steps, Path(tmp))
 
 
 def spec_for(tokens: int, workdir: Path) -> Path:
@@ -100,12 +104,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="steps per block (the first 2 untimed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
     p.add_argument("--side", choices=["trl", "rlexp"], help=argparse.SUPPRESS)
+    p.add_argument("--hf", action="store_true",
+                   help="also run rlexp with rollout=hf (transformers generate, as TRL on CPU)")
     p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side:  # one block, in a child process
         spec = json.loads(Path(args.spec).read_text())
-        steps = (trl_steps if args.side == "trl" else rlexp_steps)(spec, args.steps)
+        if args.side == "trl":
+            steps = trl_steps(spec, args.steps)
+        else:
+            steps = rlexp_steps(spec, args.steps, args.overrides)
         Path(args.out).write_text(json.dumps(steps))
         return
     if not TRL_PYTHON.exists():
@@ -120,8 +130,11 @@ def main() -> None:
             spec = spec_for(tokens, Path(tmp))
             print(f"\nmax new tokens {tokens}:", flush=True)
             common_args = [__file__, "--steps", str(args.steps), "--spec", str(spec), "--side"]
-            res = alternate_blocks({"trl": [str(TRL_PYTHON), *common_args, "trl"],
-                                    "rlexp": [sys.executable, *common_args, "rlexp"]}, args.blocks, WARMUP)
+            sides = {"trl": [str(TRL_PYTHON), *common_args, "trl"],
+                     "rlexp": [sys.executable, *common_args, "rlexp"]}
+            if args.hf:
+                sides["rlexp_hf"] = [*sides["rlexp"], "--overrides", "rollout=hf"]
+            res = alternate_blocks(sides, args.blocks, WARMUP)
             med = {side: statistics.median(s["step"] for s in recs) for side, recs in res.items()}
             length = {side: statistics.mean(s.get("tokens", float("nan")) for s in recs)
                       for side, recs in res.items()}
@@ -129,6 +142,9 @@ def main() -> None:
             print(f"  median step: rlexp {med['rlexp']:.3f} s, TRL {med['trl']:.3f} s; "
                   f"mean completion tokens: rlexp {length['rlexp']:.1f}, TRL {length['trl']:.1f}; "
                   f"rlexp / TRL {ratios[tokens]:.3f}")
+            if args.hf:
+                hf = statistics.median(s["step"] for s in res["rlexp_hf"])
+                print(f"  rlexp with rollout=hf: {hf:.3f} s, / TRL {hf / med['trl']:.3f}")
     print("\n" + "  ".join(f"{t} tokens: {r:.3f}" for t, r in ratios.items()))
     print(f"ratio: {ratios[max(ratios)]:.3f}")
 

@@ -39,3 +39,14 @@ def test_async_speedup_bench_runs_and_reports_ratios():
     assert 0.0 <= float(rows["async_1"][7]) <= 1.0  # and async stays within its bound
     ratio = [x for x in res.stdout.splitlines() if x.startswith("sync/async_1: training loop")]
     assert len(ratio) == 1 and float(ratio[0].split()[3].rstrip("x,")) > 0
+
+
+def test_vs_trl_bench_says_how_to_install_trl_when_it_is_missing(tmp_path):
+    import shutil
+
+    bench = tmp_path / "bench"
+    shutil.copytree(ROOT / "bench", bench)  # beside no .venv-trl
+    res = subprocess.run([sys.executable, str(bench / "vs_trl.py")], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "scripts/install_trl.sh" in res.stdout and "ratio:" not in res.stdout

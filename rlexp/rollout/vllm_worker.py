@@ -28,7 +28,8 @@ class SharedWeightLoader:
             from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
         except ImportError:
             return 0
-        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        # type(), not isinstance(): isinstance dereferences weak proxies, which may be dead
+        readers = [o for o in gc.get_objects() if issubclass(type(o), SpinCondition) and o.is_reader]
         for r in readers:
             r.busy_loop_s = seconds
         return len(readers)
