@@ -64,10 +64,16 @@ def _wait_for(path: Path, proc, timeout=600):
         time.sleep(0.05)
 
 
-def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> None:
+def _weight_dirs() -> set[Path]:
+    return set(Path("/dev/shm").glob("rlexp-weights-*"))
+
+
+def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> set[Path]:
     """Run `cmd` and SIGKILL its main process (a dying node) `delay` s after it wrote
     `new_checkpoints` checkpoints (0: `delay` s after it started, e.g. while it resumes);
-    then check that the vLLM engine processes it left went down too."""
+    then check that the vLLM engine processes it left went down too. Returns the weight
+    directories the killed run left in /dev/shm."""
+    before = _weight_dirs()
     done = [s for s, _ in checkpoints(run_dir)]
     target = run_dir / "checkpoints" / f"step_{max(done, default=0) + new_checkpoints}" / "meta.json"
     with open(log, "a") as f:
@@ -82,6 +88,7 @@ def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> None:
             proc.wait()
             gone, alive = psutil.wait_procs(engine, timeout=20)
             assert not [p for p in alive if "VLLM" in " ".join(p.cmdline())], "orphaned vLLM engine"
+            return _weight_dirs() - before
         finally:
             for p in psutil.process_iter():
                 try:
@@ -114,10 +121,12 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     # (config, model, MLflow clean-up or engine start-up)
     kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
     print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
-    _kill(_cmd(store, run_dir, models), log, run_dir, *kills[0])
+    orphans = _kill(_cmd(store, run_dir, models), log, run_dir, *kills[0])
+    assert orphans, "the killed run had no weight file in /dev/shm"
     for k, delay in kills[1:]:
-        _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
+        orphans |= _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
     _finish(_resume_cmd(run_dir), log)
+    assert not [d for d in orphans if d.exists()], "weight files of killed runs were left in /dev/shm"
 
     (c_ref, ref), (c, run) = _run(ref_store), _run(store)
     assert run.info.status == "FINISHED"

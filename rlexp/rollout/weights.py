@@ -17,13 +17,13 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from rlexp import orphans
 from rlexp.protocols import LoadsWeightFiles, NamedTensors
 
 WEIGHTS_FILE = "model.safetensors"
@@ -127,9 +127,16 @@ class RamFileTransport:
     """The weights as a safetensors file in a RAM-backed directory, rewritten in place; the
     engine loads it (vLLM: mapped by its workers, no file parsing; HF: `read_shared`)."""
 
+    PREFIX = "rlexp-weights-"
+
     def __init__(self, directory: str | None = None):
-        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-        self.directory = Path(directory or tempfile.mkdtemp(prefix="rlexp-weights-", dir=shm))
+        self._lock: int | None = None
+        if directory is None:
+            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            orphans.reap(self.PREFIX, shm)  # weight files of killed runs (RAM, not disk)
+            self.directory, self._lock = orphans.owned_tempdir(self.PREFIX, shm)
+        else:
+            self.directory = Path(directory)
         self.file = _SharedFile(self.directory / WEIGHTS_FILE)
 
     async def transfer(self, weights: NamedTensors, engine: LoadsWeightFiles, version: int) -> None:
@@ -138,3 +145,6 @@ class RamFileTransport:
 
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None

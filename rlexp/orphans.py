@@ -1,0 +1,62 @@
+"""Temporary directories that a later run can clean up after a killed one.
+
+A run's temporary state (the weight file in /dev/shm: gigabytes of RAM for a real model)
+lives in a directory `<prefix><random>` holding a lock file that the owning process keeps
+locked (`flock`) for as long as it lives. The kernel drops the lock when the process dies,
+however it dies (SIGKILL included), so a directory whose lock can be taken has no owner:
+`reap` removes it. No pid is compared, so a reused pid never keeps an orphan alive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+LOCK = ".owner.lock"
+UNLOCKED_GRACE_S = 60.0  # a directory is created before its lock: leave young ones alone
+
+
+def owned_tempdir(prefix: str, parent: str | None = None) -> tuple[Path, int]:
+    """A new directory under `parent` (default: the system's temp dir), locked by this
+    process; returns it and the lock's file descriptor (closing it releases the lock)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    fd = os.open(directory / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return directory, fd
+
+
+def reap(prefix: str, parent: str | None = None) -> list[Path]:
+    """Remove the directories `<parent>/<prefix>*` whose owner has died; returns them."""
+    root = Path(parent or tempfile.gettempdir())
+    removed = []
+    for directory in root.glob(prefix + "*"):
+        if directory.is_dir() and not _owned(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    if removed:
+        log.info("removed %d directories left by killed runs: %s", len(removed),
+                 ", ".join(str(d) for d in removed))
+    return removed
+
+
+def _owned(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / LOCK, os.O_RDWR)
+    except FileNotFoundError:  # being created, or left by a version without locks
+        try:
+            return time.time() - directory.stat().st_mtime < UNLOCKED_GRACE_S
+        except FileNotFoundError:
+            return True  # removed meanwhile by its owner
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # its owner is alive
+    finally:
+        os.close(fd)  # also releases the lock if we took it
+    return False

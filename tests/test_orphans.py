@@ -1,0 +1,37 @@
+import os
+import signal
+import subprocess
+import sys
+
+from rlexp import orphans
+
+
+def test_a_live_owners_directory_is_kept_and_a_dead_owners_is_removed(tmp_path):
+    mine, lock = orphans.owned_tempdir("rlexp-test-", str(tmp_path))
+    (mine / "weights").write_bytes(b"x" * 1024)
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [] and mine.exists()
+
+    # another process owns one, is SIGKILLed: its lock goes with it
+    code = ("import sys, time; from rlexp import orphans;"
+            "d, _ = orphans.owned_tempdir('rlexp-test-', sys.argv[1]); print(d, flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    theirs = tmp_path / os.path.basename(child.stdout.readline().strip())
+    assert theirs.is_dir()
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == []  # alive: kept
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [theirs] and not theirs.exists()
+    assert mine.exists()  # still owned by this process
+
+    os.close(lock)  # as if this process had died
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [mine]
+
+
+def test_a_young_directory_without_a_lock_is_left_to_its_creator(tmp_path):
+    young = tmp_path / "rlexp-test-young"
+    young.mkdir()
+    old = tmp_path / "rlexp-test-old"
+    old.mkdir()
+    os.utime(old, (0, 0))  # left long ago by a run without locks
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [old]
+    assert young.exists()
