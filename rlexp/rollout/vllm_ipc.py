@@ -37,7 +37,7 @@ def _source(weights: NamedTensors):
     from vllm.distributed.weight_transfer.base import WeightSource
 
     class Source(_NamedTensors, WeightSource):
-        pass
+        """The trainer's tensors as vLLM's WeightSource (vLLM is imported only on this path)."""
 
     return Source(weights)
 
