@@ -116,6 +116,8 @@ def main() -> None:
         print(f"sync/{n}: training loop {med['sync']['loop_s'] / med[n]['loop_s']:.2f}x, "
               f"whole run {med['sync']['wall_s'] / med[n]['wall_s']:.2f}x, "
               f"trained tokens/s {med[n]['ktok_per_s'] / med['sync']['ktok_per_s']:.2f}x")
+    if len(names) > 1:  # headline: sync / first async configuration, training loop time
+        print(f"ratio: {med['sync']['loop_s'] / med[names[1]]['loop_s']:.3f}")
 
 
 if __name__ == "__main__":

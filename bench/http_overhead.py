@@ -86,6 +86,7 @@ async def main(args) -> None:
         ratios.append((th / sh) / (ti / si))
         print(f"{i:>3} {ti / si:>17.0f} {th / sh:>11.0f} {ratios[-1]:>6.3f} {ti:>4}/{th}")
     print(f"http / in-process throughput, median of {args.reps}: {statistics.median(ratios):.3f}")
+    print(f"ratio: {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
