@@ -17,6 +17,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from rlexp.errors import CheckpointError, ConfigError
 from rlexp.guards import GUARDS
+from rlexp.signatures import static_signature
 
 # `${rlexp.abspath:mlflow.db}`: absolute path from the directory the command runs in.
 OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
@@ -78,23 +79,26 @@ def _get(cfg: DictConfig, key: str):
     return value
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, static: bool = False) -> None:
     """Raise ConfigError naming the first bad key. Each component's arguments are checked
     against its constructor's signature (`check_arguments`); what is checked here besides
-    are top-level keys and relations between groups."""
-    check_arguments(cfg)
+    are top-level keys and relations between groups. `static`: only what needs no import of
+    the components (see check_arguments); the full check follows the imports."""
+    check_arguments(cfg, static=static)
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
     check_value("trainer.optimizer.lr", _get(cfg, "trainer.optimizer.lr"), Annotated[float, Gt(0)])
+    samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
+    if samples % minibatches:
+        raise ConfigError(f"trainer.minibatches_per_step={minibatches} must divide the samples of a step "
+                          f"(data.prompts_per_step * data.samples_per_prompt = {samples})")
+    if static:
+        return
     trainer = get_object(cfg.trainer._target_)
     least = getattr(trainer, "min_samples_per_prompt", 1)
     if cfg.data.samples_per_prompt < least:
         raise ConfigError(f"data.samples_per_prompt must be >= {least} for {trainer.__name__} (advantages "
                           f"compare samples of one prompt), got {cfg.data.samples_per_prompt}")
-    samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
-    if samples % minibatches:
-        raise ConfigError(f"trainer.minibatches_per_step={minibatches} must divide the samples of a step "
-                          f"(data.prompts_per_step * data.samples_per_prompt = {samples})")
     if OmegaConf.select(cfg, "agent.entrypoint") is not None:
         from rlexp.agents.openai_agent import load_entrypoint
 
@@ -111,31 +115,37 @@ def derived(cfg: DictConfig) -> dict[str, int]:
     return {"samples_per_step": per_step, "total_train_samples": cfg.trainer.total_steps * per_step}
 
 
-def check_arguments(node: DictConfig, path: str = "", callee: Any = None) -> None:
+def check_arguments(node: DictConfig, path: str = "", callee: Any = None, static: bool = False) -> None:
     """Every `_target_` must import, and the keys beside it must be arguments of what it names
     (or of `callee`), with values its signature allows (types, `Literal` choices,
-    `rlexp.constraints` bounds). A group's `guard` sub-node is checked against its guard."""
+    `rlexp.constraints` bounds). A group's `guard` sub-node is checked against its guard.
+    `static`: read rlexp's own targets from their source instead of importing them (no torch,
+    vLLM or MLflow yet); what the source cannot tell is left to the full check."""
     target = node.get("_target_")
+    signature, name = None, None
+    if callee is not None:
+        signature, name = _signature(callee), f"{callee.__module__}.{callee.__qualname__}"
     if target is not None:
+        name = target
         try:
-            callee = get_object(target)
+            signature = static_signature(target) if static else _signature(get_object(target))
         except Exception as e:
             cause = e.__cause__ or e
             raise ConfigError(f"{path}_target_: cannot import {target!r} "
                               f"({type(cause).__name__}: {cause})") from None
-    params, hints = _signature(callee) if callee is not None else ({}, {})
+    params, hints = signature or ({}, {})
     for key, value in node.items_ex(resolve=False):
         where = f"{path}{key!s}"
         if isinstance(key, str) and key.startswith("_"):
             continue
         if key == "guard" and path.rstrip(".") in GUARDS:
-            check_arguments(node.guard or DictConfig({}), where + ".", GUARDS[path.rstrip(".")])
+            check_arguments(node.guard or DictConfig({}), where + ".", GUARDS[path.rstrip(".")], static)
             continue
-        if callee is not None and key not in params and not _takes_kwargs(params):
-            raise ConfigError(f"{where} is not an argument of {callee.__module__}.{callee.__qualname__} "
+        if signature is not None and key not in params and not _takes_kwargs(params):
+            raise ConfigError(f"{where} is not an argument of {name} "
                               f"(it takes: {', '.join(k for k in params if k != 'self')})")
         if isinstance(value, DictConfig):
-            check_arguments(value, where + ".")
+            check_arguments(value, where + ".", static=static)
         elif key in hints:
             try:
                 resolved = node[key]

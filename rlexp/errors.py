@@ -20,7 +20,14 @@ class ConfigError(ValueError):
 
 
 class SessionError(ValueError):
-    """A request the chat session cannot serve (bad messages, unknown session, too long)."""
+    """A request the chat session cannot serve (bad messages, unknown session, too long).
+
+    The server answers it with `status` and an OpenAI-style body naming `param`, the field
+    at fault ("messages.[0].content"), and `code` ("model_not_found")."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
 
 
 class CheckpointError(RuntimeError):

@@ -25,19 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rlexp import checkpoint
-from rlexp.agents.single_turn import render_prompt
-from rlexp.config import RUN_CONFIG, derived, validate_data, validate_lengths
+from rlexp.config import RUN_CONFIG, derived
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError, EngineDead, RunStopped
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import failure_report, rollout_metrics
-from rlexp.protocols import Agent, Evaluator, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
+from rlexp.preflight import Inputs, check_lengths, load_inputs
+from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
 from rlexp.sample import Sample, set_uid_counter, uid_counter
 from rlexp.schedulers.sync import SyncScheduler
 
@@ -108,11 +107,11 @@ class RLLoop:
         self.trainer: Trainer | None = None
         self.transport: WeightTransport | None = None
 
-    async def execute(self, tags: dict[str, str] | None = None,
-                      resume_from: Path | None = None) -> dict[str, float]:
+    async def execute(self, tags: dict[str, str] | None = None, resume_from: Path | None = None,
+                      inputs: Inputs | None = None) -> dict[str, float]:
         """setup -> (restore) -> train -> cleanup. A run that raised is marked FAILED in
         MLflow, its metrics kept."""
-        self.setup_inputs(resume_from)
+        self.setup_inputs(resume_from, inputs)
         self.start_tracking(tags or {}, resume_from)
         status, error = "FAILED", None
         try:
@@ -135,31 +134,17 @@ class RLLoop:
             await self.cleanup(status, error)
 
     # ---- setup ------------------------------------------------------------------------
-    def setup_inputs(self, resume_from: Path | None) -> None:
-        """Data, model, tokenizer: cheap, and bad input must fail before any engine starts."""
+    def setup_inputs(self, resume_from: Path | None, inputs: Inputs | None = None) -> None:
+        """Data, model, tokenizer: cheap, and bad input must fail before any engine starts
+        (`inputs`: what rlexp.preflight already loaded)."""
         cfg = self.cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        try:
-            source = instantiate(cfg.data.source)
-        except InstantiationException as e:
-            raise ConfigError(f"data.source: {e.__cause__ or e}") from e
-        self.data: DataManager = build(cfg, "data", source=source, split="train")
-        self.evaluator: Evaluator = build(cfg, "evaluator")
-        n_source = len(source.problems("eval"))
-        if self.evaluator.prompts is not None and self.evaluator.prompts > n_source:
-            raise ConfigError(f"evaluator.prompts={self.evaluator.prompts} is more than the eval split has "
-                              f"({n_source}); use null for the whole split")
-        self.eval_data: DataManager = instantiate(cfg.data, source=source, split="eval",
-                                                  prompts_per_step=self.evaluator.prompts or n_source,
-                                                  samples_per_prompt=self.evaluator.samples_per_prompt)
-        validate_data(cfg, len(self.data), len(self.eval_data))
-        self.model_path: str = build(cfg, "model")
+        inputs = inputs or load_inputs(cfg)
+        self.data, self.eval_data, self.evaluator = inputs.data, inputs.eval_data, inputs.evaluator
+        self.model_path = inputs.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        for split, dm in (("train", self.data), ("eval", self.eval_data)):
-            lengths = [(len(render_prompt(self.tokenizer, p.messages)), p.where or f"{split} prompt {i}")
-                       for i, p in enumerate(dm.problems)]
-            validate_lengths(cfg, lengths, split)
+        check_lengths(cfg, inputs, self.tokenizer)
         if resume_from is not None:
             self.meta, self.resume_state = checkpoint.load(resume_from)
             try:

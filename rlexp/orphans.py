@@ -5,20 +5,26 @@ lives in a directory `<prefix><random>` holding a lock file that the owning proc
 locked (`flock`) for as long as it lives. The kernel drops the lock when the process dies,
 however it dies (SIGKILL included), so a directory whose lock can be taken has no owner:
 `reap` removes it. No pid is compared, so a reused pid never keeps an orphan alive.
+
+State that cannot live inside the directory (the /dev/shm segments vLLM's engine processes
+create) is listed in its `.owned` file (`own`) and removed with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 LOCK = ".owner.lock"
+OWNED = ".owned"  # paths outside the directory that go with it, one per line
 UNLOCKED_GRACE_S = 60.0  # a directory is created before its lock: leave young ones alone
 
 
@@ -31,13 +37,30 @@ def owned_tempdir(prefix: str, parent: str | None = None) -> tuple[Path, int]:
     return directory, fd
 
 
+def own(directory: Path, paths: Iterable[str]) -> None:
+    """Record `paths` outside `directory` as its own: removed with it."""
+    with open(directory / OWNED, "a") as f:
+        f.writelines(f"{p}\n" for p in paths)
+
+
+def remove(directory: Path, lock: int | None = None) -> None:
+    """Remove `directory` and the paths it owns, then release its lock."""
+    with contextlib.suppress(OSError):
+        for path in (directory / OWNED).read_text().splitlines():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    shutil.rmtree(directory, ignore_errors=True)
+    if lock is not None:
+        os.close(lock)
+
+
 def reap(prefix: str, parent: str | None = None) -> list[Path]:
     """Remove the directories `<parent>/<prefix>*` whose owner has died; returns them."""
     root = Path(parent or tempfile.gettempdir())
     removed = []
     for directory in root.glob(prefix + "*"):
         if directory.is_dir() and not _owned(directory):
-            shutil.rmtree(directory, ignore_errors=True)
+            remove(directory)
             removed.append(directory)
     if removed:
         log.info("removed %d directories left by killed runs: %s", len(removed),

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from rlexp.config import resume_config, validate
 from rlexp.errors import ConfigError, RunStopped
-from rlexp.loop import RLLoop
+from rlexp.preflight import preflight
 from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, log_failed_job, read_sweep
 
 log = logging.getLogger("rlexp")
@@ -53,8 +53,11 @@ def main(cfg: DictConfig) -> float | None:
         run_dir, resume_from = Path(hc.runtime.output_dir), None
         if cfg.get("resume"):  # the interrupted run's own config, its dir, its newest checkpoint
             cfg, run_dir, resume_from = resume_config(cfg.resume, overrides, Path(hc.run.dir).parent)
-        validate(cfg)
-        final = asyncio.run(RLLoop(cfg, run_dir).execute(tags, resume_from))
+        inputs = preflight(cfg)  # bad config or data fails here, in about a second
+        from rlexp.loop import RLLoop  # torch, transformers: seconds
+
+        validate(cfg)  # what only the imported components can tell
+        final = asyncio.run(RLLoop(cfg, run_dir).execute(tags, resume_from, inputs))
     except ConfigError as e:
         print(f"rlexp: config error: {e}", file=sys.stderr)
         if not multirun:

@@ -109,7 +109,7 @@ def test_invalid_requests_raise_session_errors(tokenizer):
     with pytest.raises(SessionError, match="unknown session"):
         _run(store.chat("nope", {"messages": [{"role": "user", "content": "x"}]}))
     sid = store.open()
-    with pytest.raises(SessionError, match="non-empty list"):
+    with pytest.raises(SessionError, match="messages: List should have at least 1 item"):
         _run(store.chat(sid, {"messages": []}))
     with pytest.raises(SessionError, match="the context is 30"):
         _run(store.chat(sid, {"messages": [{"role": "user", "content": "x" * 40}]}))

@@ -54,7 +54,7 @@ def test_cheap_groups_instantiate(group):
     assert type(getattr(obj, "judge", obj)).__module__.startswith("rlexp.")
 
 
-@pytest.mark.parametrize("override, message", [
+BAD_OVERRIDES = [
     ("trainer.total_steps=0", "trainer.total_steps must be >= 1"),
     ("data.prompts_per_step=-3", "data.prompts_per_step must be >= 1"),
     ("data.samples_per_prompt=1", "samples_per_prompt must be >= 2 for GRPO"),
@@ -88,7 +88,10 @@ def test_cheap_groups_instantiate(group):
     ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.grpo"),
     ("scheduler.max_failure_fraction=1.5", "scheduler.max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
-])
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_OVERRIDES)
 def test_validate_names_the_bad_key(override, message):
     with pytest.raises(ConfigError, match=message):
         validate(_compose(override.split()))

@@ -2,6 +2,7 @@
 before and after a weight update."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -88,10 +89,15 @@ def _run_vllm(path, tokenizer, fn):
 
     async def main():
         engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=32)
+        # vLLM's sockets are in the engine's own directory, its shared memory listed there
+        owned = (engine._temp / ".owned").read_text().split()
+        assert [f for f in os.listdir(engine._temp) if not f.startswith(".")] and owned
+        assert all(p.startswith("/dev/shm/psm_") or "vllm" in p for p in owned), owned
         try:
             return await fn(engine)
         finally:
             engine.shutdown()
+            assert not engine._temp.exists() and not [p for p in owned if os.path.exists(p)]
 
     return asyncio.run(main())
 

@@ -35,3 +35,14 @@ def test_a_young_directory_without_a_lock_is_left_to_its_creator(tmp_path):
     os.utime(old, (0, 0))  # left long ago by a run without locks
     assert orphans.reap("rlexp-test-", str(tmp_path)) == [old]
     assert young.exists()
+
+
+def test_paths_a_directory_owns_go_with_it(tmp_path):
+    elsewhere = tmp_path / "psm_segment"
+    elsewhere.write_bytes(b"x")
+    directory, lock = orphans.owned_tempdir("rlexp-test-", str(tmp_path))
+    orphans.own(directory, [str(elsewhere)])
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [] and elsewhere.exists()  # owner alive
+    os.close(lock)
+    assert orphans.reap("rlexp-test-", str(tmp_path)) == [directory]
+    assert not elsewhere.exists() and not directory.exists()

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,16 +65,20 @@ def _wait_for(path: Path, proc, timeout=600):
         time.sleep(0.05)
 
 
-def _weight_dirs() -> set[Path]:
-    return set(Path("/dev/shm").glob("rlexp-weights-*"))
+def _temp_state() -> set[Path]:
+    """rlexp's temporary state: weight directories in /dev/shm, vLLM engine directories
+    (its sockets) in /tmp, and the shared-memory files those list as theirs."""
+    dirs = {*Path("/dev/shm").glob("rlexp-weights-*"), *Path(tempfile.gettempdir()).glob("rlexp-vllm-*")}
+    owned = {Path(p) for d in dirs if (d / ".owned").is_file() for p in (d / ".owned").read_text().split()}
+    return dirs | owned
 
 
 def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> set[Path]:
     """Run `cmd` and SIGKILL its main process (a dying node) `delay` s after it wrote
     `new_checkpoints` checkpoints (0: `delay` s after it started, e.g. while it resumes);
-    then check that the vLLM engine processes it left went down too. Returns the weight
-    directories the killed run left in /dev/shm."""
-    before = _weight_dirs()
+    then check that the vLLM engine processes it left went down too. Returns the temporary
+    state (`_temp_state`) the killed run had."""
+    before = _temp_state()
     done = [s for s, _ in checkpoints(run_dir)]
     target = run_dir / "checkpoints" / f"step_{max(done, default=0) + new_checkpoints}" / "meta.json"
     with open(log, "a") as f:
@@ -84,11 +89,12 @@ def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> set[Pa
             time.sleep(delay)
             assert proc.poll() is None, "finished before the kill point"
             engine = psutil.Process(proc.pid).children(recursive=True)
+            left = _temp_state() - before
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             gone, alive = psutil.wait_procs(engine, timeout=20)
             assert not [p for p in alive if "VLLM" in " ".join(p.cmdline())], "orphaned vLLM engine"
-            return _weight_dirs() - before
+            return left
         finally:
             for p in psutil.process_iter():
                 try:
@@ -122,11 +128,12 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
     print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
     orphans = _kill(_cmd(store, run_dir, models), log, run_dir, *kills[0])
-    assert orphans, "the killed run had no weight file in /dev/shm"
+    assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
+    assert [p for p in orphans if p.name.startswith("psm_")], "no vLLM shared memory was listed"
     for k, delay in kills[1:]:
         orphans |= _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
     _finish(_resume_cmd(run_dir), log)
-    assert not [d for d in orphans if d.exists()], "weight files of killed runs were left in /dev/shm"
+    assert not [d for d in orphans if d.exists()], "temporary files of killed runs were left behind"
 
     (c_ref, ref), (c, run) = _run(ref_store), _run(store)
     assert run.info.status == "FINISHED"

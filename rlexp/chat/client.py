@@ -24,6 +24,7 @@ from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
 from rlexp.agents.single_turn import encode
+from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.errors import SessionError
 from rlexp.protocols import RolloutEngine
@@ -58,22 +59,6 @@ def tool_call_regex(names: list[str]) -> str:
             r'\{("[a-z_]{1,20}": "[^"\\<>]{0,80}"(, "[a-z_]{1,20}": "[^"\\<>]{0,80}"){0,3})?\}\}</tool_call>')
 
 
-def _forced_tools(request: dict[str, Any]) -> list[str] | None:
-    """Tool names the reply must call, from OpenAI's `tool_choice`; None = free choice."""
-    choice, tools = request.get("tool_choice"), request.get("tools") or []
-    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
-    if choice == "required":
-        if not names:
-            raise SessionError("tool_choice='required' needs 'tools'")
-        return names
-    if isinstance(choice, dict):
-        name = choice.get("function", {}).get("name")
-        if name not in names:
-            raise SessionError(f"tool_choice names {name!r}, which is not in 'tools'")
-        return [name]
-    return None
-
-
 def _message_key(message: dict[str, Any]) -> str:
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
     return json.dumps([message.get("content") or "", calls])
@@ -104,7 +89,7 @@ class SessionStore:
 
     def get(self, session_id: str) -> ChatSession:
         if session_id not in self.sessions:
-            raise SessionError(f"unknown session_id {session_id!r}")
+            raise SessionError(f"unknown session_id {session_id!r}", param="session_id", status=404)
         return self.sessions[session_id]
 
     def close(self, session_id: str) -> ChatSession:
@@ -119,33 +104,33 @@ class SessionStore:
         """A new session for one task attempt, closed when the `async with` block ends."""
         return Recording(self, sampling or self.engine.sampling)
 
-    async def chat(self, session_id: str, request: dict[str, Any],
+    async def chat(self, session_id: str, request: dict[str, Any] | ChatRequest,
                    default: SamplingConfig | None = None) -> dict[str, Any]:
         """An OpenAI chat.completion dict for `request` (the JSON body's fields)."""
+        if not isinstance(request, ChatRequest):
+            request = parse(ChatRequest, request, self.model_name)
         session = self.get(session_id)
-        messages = request.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise SessionError("'messages' must be a non-empty list")
         raw = self._raw[session_id]
+        messages = [m.for_template() for m in request.messages]
         # Our own earlier replies go back into the template exactly as they were generated
         # (tool-call markup included), so that the rendering stays a prefix of the tokens.
         rendered = [{"role": "assistant", "content": raw[_message_key(m)]}
-                    if m.get("role") == "assistant" and _message_key(m) in raw else m
+                    if m["role"] == "assistant" and _message_key(m) in raw else m
                     for m in messages]
-        prompt = session.prepare(rendered, request.get("tools"))
+        tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        prompt = session.prepare(rendered, tools)
         sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.trace))
-        forced = _forced_tools(request)
+        forced = request.forced_tools
         if forced:
             sampling = dataclasses.replace(sampling, regex=tool_call_regex(forced))
-        n = int(request.get("n") or 1)
         choices: list[dict[str, Any]] = []
-        for i in range(n):
-            s = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + i)
-            gen = await self.engine.generate(prompt.trace.tokens, s)
-            gen = _apply_stop(gen, request.get("stop"), self.tokenizer)
+        for i in range(request.n or 1):
+            s = sampling if sampling.seed is None else \
+                dataclasses.replace(sampling, seed=_nth_seed(sampling.seed, i))
+            gen = _apply_stop(await self._generate(prompt.trace.tokens, s), request.stops, self.tokenizer)
             session.record(prompt, gen)
             text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            content, calls = parse_tool_calls(text) if request.get("tools") else (text, [])
+            content, calls = parse_tool_calls(text) if tools else (text, [])
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -171,19 +156,22 @@ class SessionStore:
                       "total_tokens": len(prompt.trace.tokens) + completion_tokens},
         }
 
-    async def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, request: dict[str, Any] | CompletionRequest) -> dict[str, Any]:
         """/v1/completions: a text prompt (or token ids) in, text out; not session-tracked."""
-        prompt = request.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            ids = encode(self.tokenizer, prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
+        request = request if isinstance(request, CompletionRequest) else \
+            parse(CompletionRequest, request, self.model_name)
+        if isinstance(request.prompt, str):
+            ids = encode(self.tokenizer, request.prompt)
+        elif max(request.prompt) >= len(self.tokenizer):
+            raise SessionError(f"prompt: token id {max(request.prompt)} is not in the vocabulary "
+                               f"(size {len(self.tokenizer)})", param="prompt")
         else:
-            raise SessionError("'prompt' must be a non-empty string or list of token ids")
+            ids = request.prompt
         if len(ids) >= self.max_context:
-            raise SessionError(f"prompt has {len(ids)} tokens; the context is {self.max_context}")
+            raise SessionError(f"prompt has {len(ids)} tokens; the context is {self.max_context}",
+                               param="prompt")
         sampling = self._request_sampling(request, self.engine.sampling, len(ids))
-        gen = _apply_stop(await self.engine.generate(ids, sampling), request.get("stop"), self.tokenizer)
+        gen = _apply_stop(await self._generate(ids, sampling), request.stops, self.tokenizer)
         return {
             "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
             "created": int(time.time()), "model": self.model_name, "prompt_token_ids": ids,
@@ -192,23 +180,38 @@ class SessionStore:
                          "token_ids": gen.token_ids, "logprobs": None}],
         }
 
-    def _request_sampling(self, request: dict[str, Any], default: SamplingConfig,
+    async def _generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        try:
+            return await self.engine.generate(token_ids, sampling)
+        except ValueError as e:  # the engine's own input checks (vLLM's VLLMValidationError)
+            raise SessionError(f"the engine rejected the request: {e}") from e
+
+    def _request_sampling(self, request: ChatRequest | CompletionRequest, default: SamplingConfig,
                           prompt_len: int) -> SamplingConfig:
-        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens") or default.max_tokens
-        max_tokens = min(int(max_tokens), self.max_context - prompt_len)
-        temperature = request.get("temperature")
-        top_p = request.get("top_p")
+        """The request's sampling settings over `default`; asking for more tokens than the
+        context has room for is an error (OpenAI's and vLLM's answer), not a silent cap."""
+        room = self.max_context - prompt_len
+        asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
+        if asked is not None and asked > room:
+            field = "max_tokens" if asked == request.max_tokens else "max_completion_tokens"
+            raise SessionError(f"{field} is {asked}, but the prompt has {prompt_len} tokens and the context "
+                               f"is {self.max_context}: at most {room} tokens can be generated", param=field)
         return SamplingConfig(
-            temperature=default.temperature if temperature is None else float(temperature),
-            top_p=default.top_p if top_p is None else float(top_p),
-            max_tokens=max_tokens, seed=request.get("seed", default.seed))
+            temperature=default.temperature if request.temperature is None else request.temperature,
+            top_p=default.top_p if request.top_p is None else request.top_p,
+            max_tokens=min(asked or default.max_tokens, room),
+            seed=request.seed if "seed" in request.model_fields_set else default.seed)
 
 
-def _apply_stop(gen: Generation, stop, tokenizer) -> Generation:
+def _nth_seed(seed: int, i: int) -> int:
+    """Choice i's seed: seed + i, wrapped into the signed 64-bit range."""
+    return (seed + i + 2**63) % 2**64 - 2**63
+
+
+def _apply_stop(gen: Generation, stops: list[str], tokenizer) -> Generation:
     """Cut a generation at the first stop string (token-aligned: whole tokens are kept)."""
-    if not stop:
+    if not stops:
         return gen
-    stops = [stop] if isinstance(stop, str) else list(stop)
     text = ""
     for i, tid in enumerate(gen.token_ids):
         text += tokenizer.decode([tid], skip_special_tokens=True)
@@ -249,8 +252,11 @@ class TrackedClient:
     async def _create_chat(self, *, messages, model: str | None = None, extra_body=None,
                            **kw) -> ChatCompletion:
         request = {"messages": messages, **kw, **(extra_body or {})}
+        if model is not None:
+            request["model"] = model
         body = await self.store.chat(self.session_id, request, self.sampling)
         return ChatCompletion.model_validate(body)
 
     async def _create_completion(self, *, prompt, model: str | None = None, **kw) -> Completion:
-        return Completion.model_validate(await self.store.complete({"prompt": prompt, **kw}))
+        request = {"prompt": prompt, **kw} | ({"model": model} if model is not None else {})
+        return Completion.model_validate(await self.store.complete(request))

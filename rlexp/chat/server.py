@@ -8,13 +8,15 @@ real `openai` package produces the same token-level traces as the in-process cli
                                          extra_body={"session_id": sid})
 
 Sessions are named by `session_id` in the JSON body or an `X-Session-Id` header;
-`POST /v1/sessions` opens one. Bad requests get an OpenAI-style error body with a 4xx
-status. Binding to anything but loopback requires `api_key` (checked as a Bearer token)."""
+`POST /v1/sessions` opens one. Every bad request (rlexp/chat/schema.py) gets a 4xx with an
+OpenAI-style error body naming the field; a body over `max_body_bytes` gets 413. Binding
+to anything but loopback requires `api_key` (checked as a Bearer token)."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import secrets
 from typing import Any
@@ -22,17 +24,21 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlexp.agents.single_turn import encode
-from rlexp.errors import SessionError
+from rlexp.chat.schema import ChatRequest, CompletionRequest, TokenizeRequest, parse
+from rlexp.chat.session import render_chat
+from rlexp.errors import EngineDead, SessionError
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 << 20
 
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None):
     return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param,
-                                           "code": None}})
+                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 def _is_loopback(host: str) -> bool:
@@ -44,36 +50,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(store, api_key: str | None = None) -> FastAPI:
+def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="rlexp policy server")
 
     @app.middleware("http")
-    async def check_key(request: Request, call_next):
+    async def check_key_and_size(request: Request, call_next):
         if api_key and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given, f"Bearer {api_key}"):
                 return _error(401, "missing or wrong API key", "authentication_error")
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > max_body_bytes:
+            return _error(413, f"the request body is over the limit of {max_body_bytes} bytes")
         return await call_next(request)
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:  # a chunked body declares no length
+            raise SessionError(f"the request body is over the limit of {max_body_bytes} bytes", status=413)
         try:
-            body = await request.json()
-        except ValueError:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             raise SessionError("the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise SessionError("the request body must be a JSON object")
-        return body
-
-    def session_of(request: Request, body: dict[str, Any]) -> str:
-        sid = body.pop("session_id", None) or request.headers.get("x-session-id")
-        if not sid:
-            raise SessionError("no session_id: put it in the body (extra_body) or an X-Session-Id header")
-        return str(sid)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError):
-        status = 404 if "unknown session" in str(exc) else 400
-        return _error(status, str(exc))
+        return _error(exc.status, str(exc), param=exc.param, code=exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDead)
+    async def engine_dead(request: Request, exc: EngineDead):
+        return _error(503, str(exc), "server_error")
 
     @app.get("/health")
     async def health():
@@ -89,29 +99,24 @@ def create_app(store, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await body_of(request)
-        if body.get("stream"):
-            raise SessionError("stream=true is not supported")
+        body = parse(ChatRequest, await body_of(request), store.model_name)
+        sid = body.session_id or request.headers.get("x-session-id")
+        if not sid:
+            raise SessionError("no session_id: put it in the body (extra_body) or an X-Session-Id header",
+                               param="session_id")
         # A ready JSONResponse skips FastAPI's per-field encoder (slow on token-level logprobs).
-        return JSONResponse(await store.chat(session_of(request, body), body))
+        return JSONResponse(await store.chat(sid, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return JSONResponse(await store.complete(await body_of(request)))
+        return JSONResponse(await store.complete(parse(CompletionRequest, await body_of(request),
+                                                       store.model_name)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        body = await body_of(request)
-        if "messages" in body:
-            messages = body["messages"]
-            if not isinstance(messages, list) or not messages:
-                raise SessionError("'messages' must be a non-empty list")
-            text = store.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=bool(body.get("add_generation_prompt", True)), tokenize=False)
-        elif isinstance(body.get("prompt"), str):
-            text = body["prompt"]
-        else:
-            raise SessionError("give 'messages' or 'prompt'")
+        body = parse(TokenizeRequest, await body_of(request))
+        text = body.prompt or render_chat(store.tokenizer, [m.for_template() for m in body.messages or []],
+                                          add_generation_prompt=body.add_generation_prompt)
         tokens = encode(store.tokenizer, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": store.max_context}
 
@@ -121,12 +126,14 @@ def create_app(store, api_key: str | None = None) -> FastAPI:
 class ChatServer:
     """uvicorn serving `create_app(store)` as a task on the current event loop."""
 
-    def __init__(self, store, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+    def __init__(self, store, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         if not _is_loopback(host) and not api_key:
             raise ValueError(f"refusing to serve the policy on {host} without an api_key "
                              "(only loopback addresses may go without one)")
         self.store, self.host, self.api_key = store, host, api_key
-        config = uvicorn.Config(create_app(store, api_key), host=host, port=port, log_level="warning",
+        config = uvicorn.Config(create_app(store, api_key, max_body_bytes), host=host, port=port,
+                                log_level="warning",
                                 lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None

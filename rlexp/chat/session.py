@@ -23,6 +23,20 @@ from rlexp.sample import Generation, Sample, Status, TokenTrace
 PrefixBreak = Literal["split", "restart"]
 
 
+def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The chat template's text for `messages`. The template is fixed and the messages are
+    the caller's, so whatever it raises (jinja2's errors, TypeError on a missing key, its own
+    raise_exception) is a bad request."""
+    kwargs = {"tools": tools} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+    except Exception as e:
+        raise SessionError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from e
+
+
 @dataclass
 class Branch:
     """One path through a conversation: its token trace and the text it decodes to."""
@@ -33,6 +47,10 @@ class Branch:
     messages: list[dict[str, Any]] = field(default_factory=list)  # as last sent by the caller
     open: bool = True  # False once extended by a later turn (then it is not a leaf)
     segment: int = 0
+    # Set by `prepare` on a prompt, applied by `record`: a request that fails in between
+    # (too long, rejected by the engine) leaves the session as it was.
+    parent: Branch | None = None  # the branch this prompt extends
+    breaks_prefix: bool = False  # no branch's text is a prefix of this prompt's
 
     def copy(self) -> Branch:
         """A copy of the trace (cheap); messages are never mutated in place."""
@@ -55,39 +73,32 @@ class ChatSession:
 
     # ---- building prompts -------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], tools: list | None = None) -> str:
-        kwargs = {"tools": tools} if tools else {}
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False, **kwargs)
+        return render_chat(self.tokenizer, messages, tools)
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
 
     def prepare(self, messages: list[dict[str, Any]], tools: list | None = None) -> Branch:
-        """The branch to continue for `messages`, with the new prompt tokens appended."""
+        """The branch to continue for `messages`, with the new prompt tokens appended. The
+        session itself changes only when a completion of it is recorded."""
         if not messages:
-            raise SessionError("messages must be a non-empty list")
+            raise SessionError("messages must be a non-empty list", param="messages")
         rendered = self.render(messages, tools)
         parent = self._match(rendered)
         if parent is None:
-            segment = 0
-            if self.branches:  # history exists but the rendering does not extend it
-                self.prefix_breaks += 1
-                segment = 1 + max(b.segment for b in self.branches)
-                if self.on_prefix_break == "restart":
-                    self.branches.clear()
-            branch = Branch(segment=segment)
+            segment = 1 + max(b.segment for b in self.branches) if self.branches else 0
+            branch = Branch(segment=segment, breaks_prefix=bool(self.branches))
             branch.trace.append(self.encode(rendered), role="prompt", text=rendered)
         else:
-            parent.open = False
             branch = parent.copy()
-            branch.open = True
+            branch.open, branch.parent = True, parent
             suffix = rendered[len(parent.text):]
             branch.trace.append(self.encode(suffix), role=messages[-1].get("role", ""), text=suffix)
         branch.text = rendered
         branch.messages = list(messages)
         if len(branch.trace) >= self.max_context:
             raise SessionError(f"prompt has {len(branch.trace)} tokens; the context is "
-                               f"{self.max_context}")
+                               f"{self.max_context}", param="messages")
         return branch
 
     def _match(self, rendered: str) -> Branch | None:
@@ -102,6 +113,13 @@ class ChatSession:
     # ---- recording completions ---------------------------------------------------------
     def record(self, prompt: Branch, gen: Generation) -> Branch:
         """Add one completion of `prompt` as a new open branch (n > 1: call once per choice)."""
+        if prompt.parent is not None:  # it is continued, so no longer a leaf
+            prompt.parent.open = False
+        if prompt.breaks_prefix:  # history exists but the rendering does not extend it
+            self.prefix_breaks += 1
+            if self.on_prefix_break == "restart":
+                self.branches.clear()
+        prompt.parent, prompt.breaks_prefix = None, False
         branch = prompt.copy()
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         branch.trace.append(gen.token_ids, role="assistant", text=text, generation=gen)

@@ -17,12 +17,12 @@ import shutil
 import string
 import time
 from pathlib import Path
-from typing import cast
-
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from typing import TYPE_CHECKING, cast
 
 from rlexp.data import arithmetic
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ def build_char_tokenizer() -> Qwen2Tokenizer:
     It is a Qwen2Tokenizer on purpose: `AutoTokenizer` (and vLLM) load any qwen2-type
     checkpoint's tokenizer as one, so building it this way makes the saved tokenizer load
     back identically everywhere (a plain character vocab silently lost spaces and newlines)."""
+    from transformers import Qwen2Tokenizer
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab |= {_byte_level(c): len(SPECIAL_TOKENS) + i for i, c in enumerate(CHARS)}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
@@ -89,6 +91,9 @@ def build_tiny_model(
     if (out / "config.json").exists():
         log.info("tiny model: cached at %s", out)
         return str(out)
+
+    import torch  # here, not at the top: a cached model is found without importing torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     t0 = time.time()
     torch.manual_seed(seed)
@@ -161,6 +166,8 @@ def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accura
     assistant replies, for at most `steps` steps, stopping early once greedy decoding gets
     the first reply exactly right for `target_accuracy` of a fixed probe of 256 *training*
     problems (checked every 25 steps)."""
+    import torch
+
     if steps <= 0:
         return
     rng = random.Random(seed)
@@ -192,8 +199,9 @@ def _warm_start(model, tokenizer, problems, steps, batch_size, lr, target_accura
     model.eval()
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6) -> float:
+    import torch
+
     model.eval()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=False)
@@ -201,7 +209,8 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int = 6) -> floa
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     tokenizer.padding_side = side
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
     return sum(t.strip() == a for t, (_, a) in zip(texts, problems)) / len(problems)

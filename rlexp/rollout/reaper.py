@@ -3,8 +3,9 @@
 vLLM's engine core runs in a child process that outlives a SIGKILLed parent (measured:
 the orphaned engine and its worker kept ~2.5 GB and a core busy). The reaper is a small
 process holding the read end of a pipe from rlexp: when rlexp dies the pipe closes, and
-the reaper kills the processes the engine started. A normal shutdown stops the reaper
-first. Processes are matched by pid and start time, so a reused pid is never killed.
+the reaper kills the processes the engine started and removes their temporary files
+(rlexp/orphans.py). A normal shutdown stops the reaper first. Processes are matched by
+pid and start time, so a reused pid is never killed.
 
     python -m rlexp.rollout.reaper <pid>:<start time> ...
 """
@@ -12,10 +13,16 @@ first. Processes are matched by pid and start time, so a reused pid is never kil
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
+import tempfile
 
 import psutil
+
+from rlexp import orphans
+
+TEMP_PREFIX = "rlexp-vllm-"  # the engine's temporary directory (rlexp/orphans.py)
 
 
 def snapshot() -> set[tuple[int, float]]:
@@ -25,6 +32,29 @@ def snapshot() -> set[tuple[int, float]]:
         with contextlib.suppress(psutil.NoSuchProcess):  # exited since it was listed
             out.add((p.pid, p.create_time()))
     return out
+
+
+def temp_names() -> set[str]:
+    """The names in /dev/shm and the temp dir now."""
+    shm = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {*shm, *os.listdir(tempfile.gettempdir())}
+
+
+def new_temp_files(before: set[tuple[int, float]], names_before: set[str]) -> list[str]:
+    """Files in /dev/shm and the temp dir that are new since `names_before` and that this
+    process or those started since `before` map or hold open: vLLM's message queues (~160 MB
+    of RAM each) and its torch.distributed store, which a killed engine leaves behind."""
+    roots = ("/dev/shm/", tempfile.gettempdir() + "/")
+    paths: set[str] = set()
+    for pid in [os.getpid(), *(pid for pid, _ in snapshot() - before)]:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                paths |= {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sorted(p for p in paths if p.startswith(roots) and p.split("/")[-1] in names_before ^ temp_names()
+                  and "/rlexp-" not in p)
 
 
 def start(before: set[tuple[int, float]]) -> subprocess.Popen | None:
@@ -51,8 +81,10 @@ def main(args: list[str]) -> None:
             p = psutil.Process(int(pid))
             if abs(p.create_time() - float(created)) < 1e-3:
                 p.kill()
-        except psutil.NoSuchProcess:
+                p.wait(10)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
             continue  # already gone: nothing to kill
+    orphans.reap(TEMP_PREFIX)  # the dead engine's sockets and shared memory
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlexp import orphans
 from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
 from rlexp.errors import EngineDead
 from rlexp.rollout import reaper
@@ -21,6 +23,21 @@ from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """Environment variables set while vLLM starts (its processes inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class VLLMEngine:
@@ -75,9 +92,15 @@ class VLLMEngine:
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         t0 = time.time()
-        before = reaper.snapshot()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        # vLLM's IPC sockets go into a directory of this engine's, so that a later run can
+        # remove them (and the /dev/shm segments listed there) if this process is killed.
+        orphans.reap(reaper.TEMP_PREFIX)
+        self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
+        before, names_before = reaper.snapshot(), reaper.temp_names()
+        with _env(VLLM_RPC_BASE_PATH=str(self._temp)):
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._reaper = reaper.start(before)
+        orphans.own(self._temp, reaper.new_temp_files(before, names_before))
         log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
@@ -214,5 +237,6 @@ class VLLMEngine:
             llm.shutdown()
         finally:
             reaper.stop(self._reaper)
+            orphans.remove(self._temp, self._temp_lock)
         del llm
         gc.collect()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,7 +143,5 @@ class RamFileTransport:
         await engine.load_weights(self.directory, version)
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        orphans.remove(self.directory, self._lock)
+        self._lock = None

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra.experimental.callback import Callback
-from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
 SWEEP_FILE = "rlexp_sweep.json"
@@ -44,8 +47,14 @@ def read_sweep(sweep_dir: str | Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _mlflow_client(tracking_uri: str) -> MlflowClient:
+    from mlflow.tracking import MlflowClient  # seconds to import: only when a sweep needs it
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
 def _client(cfg: DictConfig) -> tuple[MlflowClient, str]:
-    client = MlflowClient(tracking_uri=cfg.logger.tracking_uri)
+    client = _mlflow_client(cfg.logger.tracking_uri)
     exp = client.get_experiment_by_name(cfg.logger.experiment_name)
     exp_id = exp.experiment_id if exp else client.create_experiment(
         cfg.logger.experiment_name, artifact_location=cfg.logger.get("artifact_location"))
@@ -85,7 +94,7 @@ class SweepCallback(Callback):
         info = read_sweep(sweep_dir)
         if info is None:
             return
-        client = MlflowClient(tracking_uri=info["tracking_uri"])
+        client = _mlflow_client(info["tracking_uri"])
         children = client.search_runs([info["experiment_id"]],
                                       f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")
         failed = [c.info.run_name for c in children if c.info.status != "FINISHED"]

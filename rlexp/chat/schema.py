@@ -1,0 +1,201 @@
+"""Typed chat/completions requests, after OpenAI's schema: a request is parsed here before it
+touches a session, the chat template or the engine, so every bad field is a SessionError
+(a 4xx from the server) that names the field, in OpenAI's form ("messages.[0].role").
+
+Types are strict, as OpenAI's are ("5" is not an integer, 1 is not a string). Fields rlexp
+does not know are ignored, as vLLM ignores them, so clients that send extras keep working."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from annotated_types import Ge, Le
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from rlexp.constraints import AtLeast1, NonNegative, TopP
+from rlexp.errors import SessionError
+
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+Request = TypeVar("Request", bound=BaseModel)
+Seed = Annotated[int, Ge(-(2**63)), Le(2**63 - 1)]  # a signed 64-bit integer, as vLLM takes
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    model_config = ConfigDict(strict=True, extra="allow")  # chat templates may read other keys
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _has_content(cls, content, info: ValidationInfo):
+        role = info.data.get("role")
+        if content is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise ValueError(f"a message with role {role!r} needs 'content'")
+        return content
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: content as one string, never missing."""
+        out = self.model_dump(exclude_none=True)
+        content = self.content or ""
+        out["content"] = content if isinstance(content, str) else "".join(p.text for p in content)
+        return out
+
+
+class Function(_Model):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+Stop = Annotated[str, Field(min_length=1)]
+
+
+class _Sampling(_Model):
+    model: str | None = None
+    max_tokens: AtLeast1 | None = None
+    temperature: Annotated[NonNegative, Le(2)] | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
+    stream: bool | None = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, stream):
+        if stream:
+            raise ValueError("stream=true is not supported")
+        return stream
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: AtLeast1 | None = None
+    n: Annotated[int, Ge(1), Le(MAX_N)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    session_id: str | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _names_a_tool(cls, choice, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if choice == "required" and not names:
+            raise ValueError("tool_choice='required' needs 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"it names {choice.function.name!r}, which is not in 'tools'")
+        return choice
+
+    @property
+    def forced_tools(self) -> list[str] | None:
+        """Tool names the reply must call, from `tool_choice`; None = free choice."""
+        if self.tool_choice == "required":
+            return [t.function.name for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [self.tool_choice.function.name]
+        return None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Ge(0)]], Field(min_length=1)]
+
+
+class TokenizeRequest(_Model):
+    messages: list[Message] | None = Field(None, min_length=1)
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give one of 'messages' or 'prompt'")
+        return self
+
+
+def _param(error: Any, body: Any) -> str | None:
+    """pydantic's error location in OpenAI's form ("messages.[0].role"), keeping only the
+    steps that exist in the body (pydantic also names the union branch it tried)."""
+    parts, value, loc = [], body, error["loc"]
+    for i, step in enumerate(loc):
+        if isinstance(value, dict) and isinstance(step, str) and step in value:
+            value = value[step]
+            parts.append(step)
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            value = value[step]
+            parts.append(f"[{step}]")
+        elif i == len(loc) - 1 and isinstance(value, dict) and (error["type"] == "missing"
+                                                                  or error.get("input") is None):
+            parts.append(str(step))
+    return ".".join(parts) or None
+
+
+def parse(model: type[Request], body: Any, model_name: str | None = None) -> Request:
+    """`body` as a `model`, or a SessionError naming the first bad field; a request for a model
+    other than `model_name` is a 404 model_not_found, as OpenAI and vLLM answer."""
+    if not isinstance(body, dict):
+        raise SessionError("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        # Of the errors (one per union branch tried), the one deepest into the body, and
+        # a broken constraint rather than a wrong type ("at most 4 items", not "a string").
+        errors = [(_param(err, body), err) for err in e.errors(include_url=False)]
+        param, first = max(errors, key=lambda pe: (len(pe[0] or ""), not pe[1]["type"].endswith("_type")))
+        message = first["msg"].removeprefix("Value error, ")
+        raise SessionError(f"{param}: {message}" if param else message, param=param) from None
+    name = getattr(request, "model", None)
+    if model_name is not None and name is not None and name != model_name:
+        raise SessionError(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", status=404, code="model_not_found")
+    return request
