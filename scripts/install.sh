@@ -34,6 +34,7 @@ else
   $PIP uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
-$PIP install "mlflow==3.17.2" "hydra-core==1.3.8"
+# Pinned: the tiny model's weights (and so every figure in the README) depend on them.
+$PIP install "mlflow==3.17.2" "hydra-core==1.3.8" "transformers==5.19.0" "tokenizers==0.23.3" "safetensors==0.8.0"
 $PIP install -e ".[dev]"
 .venv/bin/python -c "import vllm, torch, transformers, mlflow, hydra; print('install: ok', 'torch', torch.__version__, 'vllm', vllm.__version__)"

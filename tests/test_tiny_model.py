@@ -1,4 +1,7 @@
+import hashlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +85,23 @@ def test_tool_warm_start_examples_label_only_the_assistant_replies():
     assert trained == tool_call_text("12+34=") + "<|im_end|>" + "46<|im_end|>"
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
     assert tool_call_text("12+34=") == call
+
+
+# sha256 of model.safetensors, as built with the pinned packages on this CPU level (AVX2).
+PINNED = {0: "47239fa8dc9e4fc9c9faa555bd669a65416db37b2cd862453600871a8828f402",
+          25: "c9fd7b052e8776b14839ebd4f484f069264776bc2c37602de181719a956e8017"}
+
+
+@pytest.mark.parametrize("steps", sorted(PINNED))
+def test_the_build_gives_the_same_bytes_as_the_reference(steps, tmp_path):
+    """README "Reproducibility": same arguments, CPU level and package versions -> the same
+    weights, bit for bit. Fails when a version or the build recipe changes the bytes."""
+    if (torch.__version__, torch.backends.cpu.get_cpu_capability()) != ("2.13.0+cpu", "AVX2"):
+        pytest.skip("the pinned bytes were made with torch 2.13.0+cpu on an AVX2 CPU")
+    kw = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_steps=steps,
+              warm_start_batch_size=64, warm_start_lr=0.001, warm_start_target_accuracy=1.0,
+              task_max_operand=99, task_ops="+", task_eval_size=200, task_seed=0)
+    path = Path(build_tiny_model(str(tmp_path), **kw))
+    info = json.loads((path / "rlexp_build.json").read_text())
+    assert info["sha256"] == hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    assert info["sha256"] == PINNED[steps], info

@@ -36,6 +36,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 FORMAT_VERSION = 3  # bump when the build recipe changes, to invalidate caches
+# sha256 of model.safetensors of builds whose runs the README reports, by cache key, with
+# where they were made. The same bytes come back on any machine with the same CPU level and
+# package versions (scripts/install.sh pins them); see README "Reproducibility".
+REFERENCE_BUILDS = {
+    "dd201209d1c6": ("4012c8fcc6033d26119d8600c919879a28cbe3dfed754876411a0faed3f22f50",
+                     "torch 2.13.0+cpu, transformers 5.19.0, CPU level AVX2"),  # the default model
+}
 
 
 def _byte_level(ch: str) -> str:
@@ -119,11 +126,29 @@ def build_tiny_model(
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "rlexp_build.json").write_text(json.dumps(args, indent=2))
+    digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+    made_with = build_environment()
+    (tmp / "rlexp_build.json").write_text(json.dumps(args | made_with | {"sha256": digest}, indent=2))
+    reference, where = REFERENCE_BUILDS.get(key, (digest, ""))
+    if digest != reference:
+        log.warning("tiny model: these weights differ from the reference build (%s; here: %s), so runs "
+                    "will not reproduce the README's figures exactly (README: Reproducibility)",
+                    where, ", ".join(f"{k} {v}" for k, v in made_with.items()))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)  # atomic: a crashed build never leaves a half-written cache entry
     log.info("tiny model: built %s in %.1fs", out, time.time() - t0)
     return str(out)
+
+
+def build_environment() -> dict[str, str]:
+    """What a build's bytes depend on besides its arguments: kernels differ by CPU level
+    (AVX2, AVX-512, ...) and by library version."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def tool_call_text(question: str) -> str:
