@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
-from rlexp.errors import SessionError
+from rlexp.errors import EngineDead, SessionError
 from rlexp.sample import Sample
 from tests.fakes import ScriptedEngine
 
@@ -381,3 +381,31 @@ def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, toke
         assert last_prompt + last_gen in [s.tokens for s in samples]
     # ...and a new conversation through the openai package is still served exactly
     test_openai_package_over_http_with_real_vllm(vllm_server, tokenizer)
+
+
+def test_engine_errors_are_a_400_for_bad_input_and_a_503_for_a_dead_engine(tokenizer):
+    class FailingEngine(ScriptedEngine):
+        async def generate(self, token_ids, sampling):
+            raise self.error
+
+    engine = FailingEngine(tokenizer, [])
+    store = SessionStore(engine, tokenizer, max_context=64)
+
+    async def go():
+        server = ChatServer(store)
+        await server.start()
+        out = []
+        try:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
+                for engine.error in (ValueError("token id 5000 is out of vocabulary"), EngineDead("it died")):
+                    sid = (await http.post("/sessions")).json()["session_id"]
+                    body = {"messages": USER, "session_id": sid}
+                    out.append(await http.post("/chat/completions", json=body))
+        finally:
+            await server.stop()
+        return out
+
+    rejected, dead = asyncio.run(go())
+    assert rejected.status_code == 400 and "out of vocabulary" in rejected.json()["error"]["message"]
+    assert dead.status_code == 503 and dead.json()["error"]["type"] == "server_error"
+    assert all(not s.branches for s in store.sessions.values())  # neither changed its session
