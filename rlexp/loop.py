@@ -144,7 +144,8 @@ class RLLoop:
         self.data, self.eval_data, self.evaluator = inputs.data, inputs.eval_data, inputs.evaluator
         self.model_path = inputs.model_path
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        check_lengths(cfg, inputs, self.tokenizer)
+        if not inputs.lengths_checked:
+            check_lengths(cfg, inputs, self.tokenizer)
         if resume_from is not None:
             self.meta, self.resume_state = checkpoint.load(resume_from)
             try:

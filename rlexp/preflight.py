@@ -5,8 +5,9 @@ MLflow), so that bad input fails in about a second instead of after ten seconds 
 2. the data: the files are read and every row checked (file, line, key);
 3. prompt lengths, with the model directory's own tokenizer.json and chat template.
 
-The full checks (rlexp.config.validate, the exact lengths with transformers' tokenizer) run
-again after the imports; they see what the source cannot tell, and never disagree."""
+The full config check (rlexp.config.validate) runs again after the imports, for what the
+source cannot tell; lengths are counted there with transformers' tokenizer only where the
+directory has no tokenizer.json or template this reads. Tests check both paths agree."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Inputs:
     eval_data: DataManager
     evaluator: Evaluator
     model_path: str
+    lengths_checked: bool = False  # by the light tokenizer: the loop need not count them again
 
 
 def load_inputs(cfg: DictConfig) -> Inputs:
@@ -70,6 +72,7 @@ def preflight(cfg: DictConfig) -> Inputs:
     tokenizer = LightTokenizer.load(inputs.model_path)
     if tokenizer is not None:
         check_lengths(cfg, inputs, tokenizer)
+        inputs.lengths_checked = True
     return inputs
 
 

@@ -53,8 +53,8 @@ def new_temp_files(before: set[tuple[int, float]], names_before: set[str]) -> li
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    return sorted(p for p in paths if p.startswith(roots) and p.split("/")[-1] in names_before ^ temp_names()
-                  and "/rlexp-" not in p)
+    new = temp_names() - names_before
+    return sorted(p for p in paths if p.startswith(roots) and p.split("/")[-1] in new and "/rlexp-" not in p)
 
 
 def start(before: set[tuple[int, float]]) -> subprocess.Popen | None:
