@@ -7,7 +7,7 @@ these (before anything expensive starts), and a type checker checks Python calle
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Le
 
@@ -19,3 +19,5 @@ NonNegative = Annotated[float, Ge(0)]
 Fraction = Annotated[float, Ge(0), Le(1)]
 Temperature = Annotated[float, Gt(0)]
 TopP = Annotated[float, Gt(0), Le(1)]
+# "auto": bfloat16 on a GPU, float32 on a CPU (rlexp.models.local.resolve_dtype)
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]

@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rlexp import checkpoint
+from rlexp.chat import tool_prompt
 from rlexp.config import RUN_CONFIG, derived
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError, EngineDead, RunStopped
@@ -161,6 +162,10 @@ class RLLoop:
             sizes = derived(self.cfg)
             log.info("derived: %s", sizes)
             extra = {f"derived.{k}": v for k, v in sizes.items()} | {"model.resolved_path": self.model_path}
+            if "tool_prompt" in self.cfg.agent:
+                asked = self.cfg.agent.tool_prompt
+                extra["chat.tool_prompt"] = path = tool_prompt.resolve(self.tokenizer, asked)
+                log.info("tool specs: %s path (agent.tool_prompt=%s)", path, asked)
             tracker.start(self.cfg, extra_params=extra)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(self.cfg, self.run_dir / RUN_CONFIG, resolve=True)  # what `resume=` reads back

@@ -17,7 +17,8 @@ import inspect
 from typing import Any
 
 # Modules whose names an annotation may use, imported to evaluate it (all cheap).
-_LIGHT_MODULES = {"typing", "annotated_types", "rlexp.constraints", "pathlib", "collections.abc"}
+_LIGHT_MODULES = {"typing", "annotated_types", "rlexp.constraints", "rlexp.chat.tool_prompt", "pathlib",
+                  "collections.abc"}
 _KINDS = inspect.Parameter
 _HAS_DEFAULT = None  # the value does not matter: only whether there is one
 

@@ -18,6 +18,7 @@ import openai
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
 from rlexp.chat.session import PrefixBreak
+from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
@@ -40,12 +41,13 @@ class OpenAIAgent:
                  sampling: SamplingConfig | None = None,
                  transport: Literal["inprocess", "http"] = "inprocess", host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None,
-                 on_prefix_break: PrefixBreak = "split"):
+                 on_prefix_break: PrefixBreak = "split", tool_prompt: ToolPrompt = "auto"):
         self.fn = load_entrypoint(entrypoint)
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.transport, self.host, self.port, self.api_key = transport, host, port, api_key
-        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break)
+        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break,
+                                  tool_prompt=tool_prompt)
         self.server: ChatServer | None = None
         self._http: openai.AsyncOpenAI | None = None  # one client for all sessions (transport=http)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
+from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
 from rlexp.protocols import Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig
@@ -19,7 +20,7 @@ class ToolAgent:
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,
                  max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
                  tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,
-                 on_prefix_break: PrefixBreak = "split"):
+                 on_prefix_break: PrefixBreak = "split", tool_prompt: ToolPrompt = "auto"):
         available: dict[str, Tool] = {"calculator": Calculator(), "python": PythonExpression(tool_timeout_s)}
         unknown = set(tools) - set(available)
         if unknown:
@@ -28,7 +29,8 @@ class ToolAgent:
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.max_turns, self.max_tool_calls = max_turns, max_tool_calls
-        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break)
+        self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break,
+                                  tool_prompt=tool_prompt)
 
     async def call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
         """(result text, ok)."""

@@ -26,6 +26,7 @@ from openai.types.completion import Completion
 from rlexp.agents.single_turn import encode
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
+from rlexp.chat.tool_prompt import ToolPrompt, resolve
 from rlexp.errors import SessionError
 from rlexp.protocols import RolloutEngine
 from rlexp.sample import Generation, Sample, SamplingConfig
@@ -68,12 +69,14 @@ class SessionStore:
     """Open sessions by id; turns chat requests into engine calls and OpenAI responses."""
 
     def __init__(self, engine: RolloutEngine, tokenizer, max_context: int,
-                 on_prefix_break: PrefixBreak = "split", model_name: str = "policy"):
+                 on_prefix_break: PrefixBreak = "split", model_name: str = "policy",
+                 tool_prompt: ToolPrompt = "auto"):
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.on_prefix_break = on_prefix_break
         self.model_name = model_name
+        self.tool_prompt = resolve(tokenizer, tool_prompt)  # where tool specs go: rlexp/chat/tool_prompt.py
         self.sessions: dict[str, ChatSession] = {}
         self._raw: dict[str, dict[str, str]] = {}  # session -> message key -> generated text
         self._sampling: dict[str, SamplingConfig] = {}
@@ -82,7 +85,8 @@ class SessionStore:
     def open(self, session_id: str | None = None, sampling: SamplingConfig | None = None) -> str:
         """A new session; `sampling` fills what its requests leave out (default: the engine's)."""
         sid = session_id or f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self.sessions[sid] = ChatSession(self.tokenizer, self.max_context, self.on_prefix_break)
+        self.sessions[sid] = ChatSession(self.tokenizer, self.max_context, self.on_prefix_break,
+                                         self.tool_prompt)
         self._raw[sid] = {}
         self._sampling[sid] = sampling or self.engine.sampling
         return sid

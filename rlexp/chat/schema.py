@@ -155,6 +155,7 @@ class TokenizeRequest(_Model):
     messages: list[Message] | None = Field(None, min_length=1)
     prompt: Annotated[str, Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # counted as a chat request with these tools would be
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

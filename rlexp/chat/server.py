@@ -115,8 +115,9 @@ def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = parse(TokenizeRequest, await body_of(request))
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         text = body.prompt or render_chat(store.tokenizer, [m.for_template() for m in body.messages or []],
-                                          add_generation_prompt=body.add_generation_prompt)
+                                          tools, body.add_generation_prompt, store.tool_prompt)
         tokens = encode(store.tokenizer, text)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": store.max_context}
 

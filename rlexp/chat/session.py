@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from rlexp.agents.single_turn import encode
+from rlexp.chat.tool_prompt import ToolPath, with_tools_in_system
 from rlexp.errors import SessionError
 from rlexp.sample import Generation, Sample, Status, TokenTrace
 
@@ -24,11 +25,16 @@ PrefixBreak = Literal["split", "restart"]
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list | None = None,
-                add_generation_prompt: bool = True) -> str:
-    """The chat template's text for `messages`. The template is fixed and the messages are
+                add_generation_prompt: bool = True, tool_prompt: ToolPath = "template") -> str:
+    """The chat template's text for `messages`, with `tools` rendered by the template or in
+    the system prompt (rlexp/chat/tool_prompt.py). The template is fixed and the messages are
     the caller's, so whatever it raises (jinja2's errors, TypeError on a missing key, its own
     raise_exception) is a bad request."""
-    kwargs = {"tools": tools} if tools else {}
+    kwargs = {}
+    if tools and tool_prompt == "system_prompt":
+        messages = with_tools_in_system(messages, tools)
+    elif tools:
+        kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **kwargs)
@@ -60,20 +66,22 @@ class Branch:
 class ChatSession:
     """All branches of one conversation (one task attempt)."""
 
-    def __init__(self, tokenizer, max_context: int, on_prefix_break: PrefixBreak = "split"):
+    def __init__(self, tokenizer, max_context: int, on_prefix_break: PrefixBreak = "split",
+                 tool_prompt: ToolPath = "template"):
         if on_prefix_break not in get_args(PrefixBreak):
             raise ValueError(f"on_prefix_break must be one of {get_args(PrefixBreak)}, "
                              f"got {on_prefix_break!r}")
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.on_prefix_break = on_prefix_break
+        self.tool_prompt = tool_prompt
         self.branches: list[Branch] = []
         self.prefix_breaks = 0
         self.calls = 0
 
     # ---- building prompts -------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], tools: list | None = None) -> str:
-        return render_chat(self.tokenizer, messages, tools)
+        return render_chat(self.tokenizer, messages, tools, tool_prompt=self.tool_prompt)
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)

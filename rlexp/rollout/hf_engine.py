@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
+from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
+from rlexp.models.local import resolve_dtype
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.weights import WEIGHTS_FILE, read_shared
 from rlexp.sample import Generation, SamplingConfig
@@ -21,7 +22,7 @@ class HFEngine:
     def __init__(
         self,
         model_path: str,
-        dtype: str = "float32",
+        dtype: Dtype = "float32",
         max_model_len: AtLeast2 = 512,
         max_batch_size: AtLeast1 = 256,
         # sampling defaults (engine.sampling), as for every engine
@@ -32,7 +33,8 @@ class HFEngine:
     ):
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path,
+                                                          dtype=getattr(torch, resolve_dtype(dtype)))
         self.model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' stub for .to
         tok = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from rlexp import orphans
-from rlexp.constraints import AtLeast1, AtLeast2, Temperature, TopP
+from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
+from rlexp.models.local import resolve_dtype
 from rlexp.rollout import reaper
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
@@ -53,7 +54,7 @@ class VLLMEngine:
         temperature: Temperature = 1.0,
         top_p: TopP = 1.0,
         max_response_tokens: AtLeast1 = 16,
-        dtype: str = "float32",
+        dtype: Dtype = "float32",
         max_model_len: AtLeast2 = 512,
         max_num_seqs: AtLeast1 = 256,
         kv_cache_gb: float = 1.0,
@@ -71,7 +72,7 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(
             model=model_path,
             seed=seed,
-            dtype=dtype,
+            dtype=resolve_dtype(dtype),
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             # RL ratios need logprobs of the distribution actually sampled from

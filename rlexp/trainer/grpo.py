@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Literal, get_args
@@ -19,7 +20,8 @@ from annotated_types import Ge
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlexp.constraints import AtLeast0, AtLeast1, NonNegative, Positive
+from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
+from rlexp.models.local import resolve_dtype
 from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
 from rlexp.trainer.advantages import group_advantages
@@ -71,10 +73,11 @@ class GRPOTrainer:
         warmup_steps: int = 0,
         minibatches_per_step: AtLeast1 = 1,
         micro_batch_tokens: AtLeast1 = 8192,
-        dtype: str = "float32",
+        dtype: Dtype = "float32",
     ):
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path,
+                                                          dtype=getattr(torch, resolve_dtype(dtype)))
         self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers' stub for .to
         self.ref = None
         if kl_coef > 0 or ref_kl_every_n_steps > 0:
@@ -126,7 +129,11 @@ class GRPOTrainer:
         metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        self.lr_scheduler.step()  # one schedule step per fit (per RL step)
+        # One schedule step per fit (per RL step), on purpose also when a no-signal step skipped
+        # the update: PyTorch's warning about that order does not apply.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.lr_scheduler.step()
         return metrics
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
