@@ -75,11 +75,17 @@ def bad_files(tmp_path_factory):
     (d / "bad.jsonl").write_text('{"question": "1+1=", "answer": "#### 2"}\nnot json\n')
     rows = [{"question": "1+1=" + " pad" * (400 if i == 7 else 0), "answer": "#### 2"} for i in range(300)]
     (d / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    (d / "hf").mkdir()
+    (d / "hf" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     return d
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["data=jsonl", "data.source.train_path={d}/bad.jsonl"], "bad.jsonl:2: not valid JSON"),
+    (["data=parquet", "data.source.train_path={d}/bad.parquet"], "bad.parquet: not a readable Parquet file"),
+    (["data=hf_disk", "data.source.train_path={d}/hf", "data.source.train_split=training"],
+     "hf: no split 'training' (has ['train', 'test'])"),
     (["+trainer.no_such_knob=1"],
      "trainer.no_such_knob is not an argument of rlexp.trainer.grpo.GRPOTrainer"),
     (["agent._target_=rlexp.agents.nope.Agent"], "cannot import 'rlexp.agents.nope.Agent'"),

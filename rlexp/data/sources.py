@@ -1,15 +1,20 @@
-"""Where prompts come from: the built-in arithmetic task or the user's JSONL files.
+"""Where prompts come from: the built-in arithmetic task or the user's files (JSONL, Parquet,
+or a Hugging Face `datasets` directory written by `save_to_disk`).
 
-A source returns `Problem`s for a split ("train" or "eval")."""
+A source returns `Problem`s for a split ("train" or "eval"). The file sources read every row
+when built (in preflight, before any heavy import) and fail with one line naming the file,
+the row and the key; pyarrow is imported only by the sources that need it. Nothing is ever
+downloaded: a path must be local."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rlexp.data import arithmetic
 
@@ -18,7 +23,7 @@ from rlexp.data import arithmetic
 class Problem:
     messages: list[dict[str, str]]
     answer: str
-    where: str = ""  # file:line, for error messages
+    where: str = ""  # file:line (JSONL) or file: row i (Parquet, datasets), for error messages
 
 
 class PromptSource(Protocol):
@@ -45,58 +50,58 @@ class ArithmeticSource:
         return [Problem(_messages(q, self.system_prompt), a) for q, a in pairs]
 
 
-class JsonlSource:
-    """One JSON object per line. `question_key` / `answer_key` name the fields; if
-    `answer_pattern` is set, the reference answer is its first group in the answer
-    field (GSM8K: `####\\s*(.+)$`). Without `eval_path`, `eval_size` rows of the train
-    file are held out by `seed`."""
+class _RowSource:
+    """What the file sources share (the one owner of it): a row, a mapping of field names
+    to values, becomes a Problem by `question_key` / `answer_key` (a string or a number);
+    if `answer_pattern` is set, the reference answer is its first group in the answer field
+    (GSM8K: `####\\s*(.+)$`). The eval split is the eval rows, or else `eval_size` train
+    rows held out by `seed`. Subclasses read their format and call `_map` and `_split`."""
 
-    def __init__(self, train_path: str, eval_path: str | None = None,
-                 question_key: str = "question", answer_key: str = "answer",
-                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
-                 system_prompt: str | None = None):
+    splits: dict[str, list[Problem]]
+
+    def _fields(self, question_key: str, answer_key: str, answer_pattern: str | None,
+                system_prompt: str | None) -> None:
         self.question_key, self.answer_key = question_key, answer_key
         self.pattern = re.compile(answer_pattern, re.M) if answer_pattern else None
         self.system_prompt = system_prompt
-        train = self._load(Path(train_path))
-        if eval_path:
-            self.splits = {"train": train, "eval": self._load(Path(eval_path))}
-        else:
-            if eval_size >= len(train):
-                raise ValueError(f"{train_path}: eval_size={eval_size} leaves no training rows "
-                                 f"(file has {len(train)})")
-            random.Random(seed).shuffle(train)
-            self.splits = {"train": train[eval_size:], "eval": train[:eval_size]}
 
     def problems(self, split: str) -> list[Problem]:
         return self.splits[split]
 
-    def _load(self, path: Path) -> list[Problem]:
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: data file not found")
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(self._parse(line, f"{path}:{lineno}"))
-        if not rows:
-            raise ValueError(f"{path}: no rows")
-        return rows
+    def _split(self, train: list[Problem], eval_rows: list[Problem] | None, eval_size: int, seed: int,
+               name: str) -> None:
+        if eval_rows is not None:
+            self.splits = {"train": train, "eval": eval_rows}
+            return
+        if eval_size >= len(train):
+            raise ValueError(f"{name}: eval_size={eval_size} leaves no training rows (it has {len(train)})")
+        train = list(train)
+        random.Random(seed).shuffle(train)
+        self.splits = {"train": train[eval_size:], "eval": train[:eval_size]}
 
-    def _parse(self, line: str, where: str) -> Problem:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    def _require(self, names: Iterable[str], where: str, what: str = "key") -> None:
+        """`where` (a row, or a table whose columns are `names`) has both fields."""
+        present = set(names)
+        for option, key in (("question_key", self.question_key), ("answer_key", self.answer_key)):
+            if key not in present:
+                raise ValueError(f"{where}: missing {what} {key!r} (has {sorted(present)}); "
+                                 f"see data.source.{option}")
+
+    def _map(self, rows: Iterable[Mapping[str, Any]], where: Callable[[int], str],
+             name: str) -> list[Problem]:
+        problems = [self._problem(row, where(i)) for i, row in enumerate(rows)]
+        if not problems:
+            raise ValueError(f"{name}: no rows")
+        return problems
+
+    def _problem(self, row: Mapping[str, Any], where: str) -> Problem:
+        self._require(row, where)
         values = []
         for key in (self.question_key, self.answer_key):
-            if key not in row:
-                raise ValueError(f"{where}: missing key {key!r} (has {sorted(row)})")
-            if not isinstance(row[key], (str, int, float)) or isinstance(row[key], bool):
-                raise ValueError(f"{where}: key {key!r} must be a string or number")
-            values.append(str(row[key]))
+            value = row[key]
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError(f"{where}: key {key!r} must be a string or number, got {_kind(value)}")
+            values.append(str(value))
         question, answer = values
         if self.pattern:
             m = self.pattern.search(answer)
@@ -105,3 +110,176 @@ class JsonlSource:
                                  f"answer_pattern {self.pattern.pattern!r}")
             answer = m.group(1).strip()
         return Problem(_messages(question, self.system_prompt), answer, where)
+
+
+class JsonlSource(_RowSource):
+    """One JSON object per line; rows are named `file:line`. Fields and hold-out: `_RowSource`.
+    Without `eval_path`, `eval_size` rows of the train file are held out by `seed`."""
+
+    def __init__(self, train_path: str, eval_path: str | None = None,
+                 question_key: str = "question", answer_key: str = "answer",
+                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 system_prompt: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+        self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
+                    train_path)
+
+    def _load(self, name: str) -> list[Problem]:
+        path = _local_file(name)
+        with path.open(encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+        return self._map((self._parse(line, f"{path}:{n}") for n, line in lines),
+                         lambda i: f"{path}:{lines[i][0]}", str(path))
+
+    @staticmethod
+    def _parse(line: str, where: str) -> dict:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        return row
+
+
+class ParquetSource(_RowSource):
+    """A local Parquet file, one problem per row; rows are named `file: row i` (from 0, as
+    `pandas.read_parquet(file).iloc[i]`). Fields and hold-out as JsonlSource (`_RowSource`);
+    only the two columns are read."""
+
+    def __init__(self, train_path: str, eval_path: str | None = None,
+                 question_key: str = "question", answer_key: str = "answer",
+                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 system_prompt: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+        self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
+                    train_path)
+
+    def _load(self, name: str) -> list[Problem]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = _local_file(name)
+        if path.stat().st_size == 0:
+            raise ValueError(f"{path}: empty file (0 bytes), not a Parquet file")
+        try:
+            parquet = pq.ParquetFile(path)
+            self._require(parquet.schema_arrow.names, str(path), "column")
+            table = parquet.read(columns=list(dict.fromkeys((self.question_key, self.answer_key))))
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+        return self._map(table.to_pylist(), lambda i: f"{path}: row {i}", str(path))
+
+
+class HFDiskSource(_RowSource):
+    """A Hugging Face `datasets` directory written by `save_to_disk`, local only (nothing is
+    downloaded): a DatasetDict directory, whose `train_split` (and `eval_split`, if set) are
+    used, or a single Dataset directory, used whole. Without `eval_split` or `eval_path`,
+    `eval_size` train rows are held out by `seed`; `eval_path` is another such directory.
+    Rows are named `split dir: row i` (from 0, as `ds[split][i]`). Fields as JsonlSource.
+
+    Read with pyarrow, as `datasets.load_from_disk` reads it (state.json lists the Arrow
+    stream files of a split, in order; dataset_dict.json lists the splits), because
+    `import datasets` takes 1.5-2 s (pandas, fsspec, huggingface_hub) and this runs in
+    preflight; tests check both read the same rows."""
+
+    def __init__(self, train_path: str, eval_path: str | None = None, train_split: str = "train",
+                 eval_split: str | None = None, question_key: str = "question", answer_key: str = "answer",
+                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 system_prompt: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+        train = self._load(train_path, train_split, "train_split")
+        eval_rows = None
+        if eval_path or eval_split:
+            if not eval_path and not _is_dataset_dict(Path(train_path)):
+                raise ValueError(f"{train_path}: a single Dataset, not a DatasetDict: there is no split "
+                                 f"eval_split={eval_split!r} to choose; unset eval_split to hold out "
+                                 f"eval_size rows, or set eval_path")
+            eval_rows = self._load(eval_path or train_path, eval_split, "eval_split")
+        self._split(train, eval_rows, eval_size, seed, train_path)
+
+    def _load(self, name: str, split: str | None, key: str) -> list[Problem]:
+        path = _local_dir(name)
+        if _is_dataset_dict(path):
+            splits = _read_json(path / "dataset_dict.json").get("splits")
+            if not isinstance(splits, list):
+                raise ValueError(f"{path / 'dataset_dict.json'}: no list of 'splits'")
+            if split is None:
+                raise ValueError(f"{path}: a DatasetDict (splits {splits}): set data.source.{key}")
+            if split not in splits:
+                raise ValueError(f"{path}: no split {split!r} (has {splits}); set data.source.{key}")
+            path = path / split
+            if not path.is_dir():
+                raise ValueError(f"{path}: split {split!r} listed in dataset_dict.json but missing")
+        return self._read_dataset(path)
+
+    def _read_dataset(self, path: Path) -> list[Problem]:
+        import pyarrow as pa
+
+        state_file = path / "state.json"
+        if not state_file.is_file():
+            has = sorted(p.name for p in path.iterdir())[:8] if path.is_dir() else []
+            raise ValueError(f"{path}: not a datasets save_to_disk directory (no dataset_dict.json or "
+                             f"state.json; has {has})")
+        try:
+            files = [path / f["filename"] for f in _read_json(state_file)["_data_files"]]
+        except (KeyError, TypeError):
+            raise ValueError(f"{state_file}: no list of '_data_files'") from None
+        tables = []
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{file}: listed in {state_file.name} but missing")
+            try:
+                table = pa.ipc.open_stream(pa.memory_map(str(file))).read_all()
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{file}: not a readable Arrow file ({_one_line(e)})") from None
+            self._require(table.column_names, str(file), "column")
+            tables.append(table.select(list(dict.fromkeys((self.question_key, self.answer_key)))))
+        rows = [row for table in tables for row in table.to_pylist()]
+        return self._map(rows, lambda i: f"{path}: row {i}", str(path))
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _not_local(name: str) -> None:
+    if "://" in name:
+        raise ValueError(f"{name}: not a local path (data are read from local files only, never "
+                         f"downloaded: save them locally first)")
+
+
+def _local_file(name: str) -> Path:
+    _not_local(name)
+    path = Path(name)
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory, not a data file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: data file not found")
+    return path
+
+
+def _local_dir(name: str) -> Path:
+    _not_local(name)
+    path = Path(name)
+    if path.is_file():
+        raise ValueError(f"{path}: a file, not a datasets save_to_disk directory")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: datasets directory not found (a local save_to_disk directory; "
+                                f"hub names are not downloaded)")
+    return path
+
+
+def _is_dataset_dict(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not valid JSON ({_one_line(e)})") from None
