@@ -22,11 +22,14 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from rlexp.agents.single_turn import render_prompt
+from rlexp.agents.single_turn import encode
+from rlexp.chat import tool_prompt
+from rlexp.chat.session import render_chat
 from rlexp.config import validate, validate_data, validate_lengths
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError
 from rlexp.evaluator import Evaluator
+from rlexp.tools import tool_specs
 
 log = logging.getLogger("rlexp")
 
@@ -60,9 +63,12 @@ def load_inputs(cfg: DictConfig) -> Inputs:
 
 
 def check_lengths(cfg: DictConfig, inputs: Inputs, tokenizer) -> None:
+    """Prompts as the agent will send them: with its tools' specs where it has tools."""
+    tools = tool_specs(cfg.agent.get("tools") or [])
+    path = tool_prompt.resolve(tokenizer, cfg.agent.get("tool_prompt", "template"))
     for split, dm in (("train", inputs.data), ("eval", inputs.eval_data)):
-        lengths = [(len(render_prompt(tokenizer, p.messages)), p.where or f"{split} prompt {i}")
-                   for i, p in enumerate(dm.problems)]
+        lengths = [(len(encode(tokenizer, render_chat(tokenizer, p.messages, tools, tool_prompt=path))),
+                    p.where or f"{split} prompt {i}") for i, p in enumerate(dm.problems)]
         validate_lengths(cfg, lengths, split)
 
 
@@ -80,8 +86,9 @@ class LightTokenizer:
     """A model directory's fast tokenizer (tokenizer.json) and chat template, rendered as
     transformers renders it (same jinja2 settings and globals), without importing transformers."""
 
-    def __init__(self, backend, template, special_tokens: dict[str, Any]):
+    def __init__(self, backend, template, special_tokens: dict[str, Any], chat_template: str):
         self.backend_tokenizer, self.template, self.special_tokens = backend, template, special_tokens
+        self.chat_template = chat_template  # the source, as on a transformers tokenizer
 
     @classmethod
     def load(cls, model_path: str) -> LightTokenizer | None:
@@ -112,7 +119,7 @@ class LightTokenizer:
             return None
         special = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
                    if k.endswith("_token") and isinstance(v, (str, dict))}
-        return cls(backend, template, special)
+        return cls(backend, template, special, source)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False,
                             **kwargs) -> str:

@@ -97,3 +97,18 @@ def test_a_chat_request_with_tools_gets_them_in_the_system_prompt(smol_tokenizer
     asyncio.run(store.chat(sid, {"messages": [{"role": "user", "content": "hi"}], "tools": [spec]}))
     prompt = store.get(sid).branches[0].trace.tokens
     assert "# Tools" in smol_tokenizer.decode(prompt)
+
+
+def test_prompt_lengths_are_checked_with_the_tool_specs(tiny_model_path, smol_tokenizer):
+    """Preflight counts a tool agent's prompts as they will be sent: on the system-prompt path
+    the specs (~900 characters) do not fit the tiny context; on the template path they do."""
+    from rlexp.errors import ConfigError
+    from rlexp.preflight import check_lengths, load_inputs
+    from tests.test_config import _compose
+
+    cfg = _compose(["agent=tool", "model=local", f"model.path={tiny_model_path}", "rollout.max_model_len=256",
+                    "rollout.max_response_tokens=8"])
+    inputs = load_inputs(cfg)
+    check_lengths(cfg, inputs, smol_tokenizer.__class__.from_pretrained(tiny_model_path))  # template path
+    with pytest.raises(ConfigError, match="do not fit in rollout.max_model_len=256"):
+        check_lengths(cfg, inputs, smol_tokenizer)

@@ -12,6 +12,7 @@ from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
 from rlexp.protocols import Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig
+from rlexp.tools import tool_classes
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
 
@@ -21,10 +22,10 @@ class ToolAgent:
                  max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
                  tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,
                  on_prefix_break: PrefixBreak = "split", tool_prompt: ToolPrompt = "auto"):
-        available: dict[str, Tool] = {"calculator": Calculator(), "python": PythonExpression(tool_timeout_s)}
-        unknown = set(tools) - set(available)
+        unknown = set(tools) - set(tool_classes())
         if unknown:
-            raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(available)}")
+            raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(tool_classes())}")
+        available: dict[str, Tool] = {"calculator": Calculator(), "python": PythonExpression(tool_timeout_s)}
         self.tools = {name: available[name] for name in tools}
         self.judge = judge
         self.sampling = sampling or engine.sampling
