@@ -1,24 +1,34 @@
-"""Weight sync over its memcpy floor, for the tiny model and a ~120M-parameter model.
+"""Weight sync over its memcpy floor, for the tiny model and ~130M-parameter models.
 
-    .venv/bin/python bench/weight_sync.py [--reps 7] [--models tiny,qwen2-120m]
+    .venv/bin/python bench/weight_sync.py [--reps 7] [--models tiny,llama-135m]
 
 Per model, one vLLM engine and the model's weights as the trainer holds them. Timed, side
 by side, alternating:
-  floor        one `copy_` of every weight tensor into a preallocated buffer (the bytes
-               must move at least once)
-  ram_file     rlexp's transport: the trainer's tensors copied into a mapped safetensors file
-               in /dev/shm, then vLLM's in-place reload from views of that file
+  floor        every weight tensor copied once into a preallocated buffer (the bytes must move
+               at least once): the faster of torch's `copy_` (its thread pool) and one memcpy
+               per tensor (one thread); with the machine's other core busy the first is ~10x
+               slower (each copy waits for a second thread to be scheduled)
+  ram_file     rlexp's default transport (conf/weight_transfer/ram_file.yaml), split into
+               write:  the trainer's tensors copied into a mapped safetensors file in /dev/shm
+               engine: vLLM's in-place reload from views of that file, and its prefix-cache reset
+  ram_file_copy_  the same with the file written by torch's `copy_` (what rlexp did before:
+               slow when the machine's other core is busy, as `floor copy_`)
   file_reload  what rlexp did before: `safetensors.save_file` into /dev/shm, then vLLM's
                `reload_weights(weights_path=...)` (reads and parses the file)
-Between repetitions the weights change a little, so every sync moves new numbers. The
-~120M model is built locally from a real architecture config (Qwen2: 12 layers, hidden 768,
-vocabulary 32768, tied embeddings) with random weights and the tiny model's tokenizer.
+Between repetitions the weights change a little, so every sync moves new numbers. Models,
+random weights, built locally:
+  llama-135m   SmolLM2-135M's shape (LlamaConfig: hidden 576, 30 layers, 9 heads, 3 kv heads,
+               intermediate 1536, vocabulary 49152, tied embeddings), rlexp.models.arch
+  qwen2-120m   Qwen2Config: 12 layers, hidden 768, vocabulary 32768, tied embeddings, with
+               the tiny model's tokenizer
+The last line is `ratio: X`, ram_file / floor for the last model.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import shutil
 import sys
@@ -29,10 +39,32 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import default_config, default_model, median  # noqa: E402
+from common import CONF, default_config, default_model, median  # noqa: E402
 
+from rlexp.models.arch import build_arch_model  # noqa: E402
+from rlexp.rollout import weights  # noqa: E402
 from rlexp.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from rlexp.rollout.weights import RamFileTransport, save_safetensors  # noqa: E402
+
+CACHE = CONF.parent / ".cache" / "models"  # where conf/model/*.yaml build their models
+
+
+def llama_135m() -> str:
+    return build_arch_model("llama", str(CACHE), seed=0, chat_template="smollm2", hidden_size=576,
+                            num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                            vocab_size=49152, tie_word_embeddings=True)
+
+
+class _TimedEngine:
+    """The engine as the transport sees it, timing the engine's part of a transfer."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine, self.seconds = engine, 0.0
+
+    async def load_weights(self, directory: Path, version: int) -> None:
+        t0 = time.perf_counter()
+        await self.engine.load_weights(directory, version)
+        self.seconds = time.perf_counter() - t0
 
 
 def qwen2_120m(tokenizer_dir: str, out: Path) -> str:
@@ -57,6 +89,7 @@ async def bench_model(name: str, path: str, reps: int) -> dict[str, list[float]]
     print(f"\n{name}: {n_params / 1e6:.1f}M parameters, state dict {n_bytes / 1e6:.0f} MB "
           "(tied counted twice)")
     engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25)
+    timed = _TimedEngine(engine)
     transport = RamFileTransport()
     old_dir = Path(tempfile.mkdtemp(prefix="rlexp-bench-", dir="/dev/shm"))
     dst = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
@@ -66,35 +99,58 @@ async def bench_model(name: str, path: str, reps: int) -> dict[str, list[float]]
             for k, v in model.state_dict().items():
                 dst[k].copy_(v)
 
+    def floor_memcpy():
+        for k, v in model.state_dict().items():
+            ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
+
     async def file_reload():
         save_safetensors(model.state_dict().items(), old_dir)
         await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(old_dir)})
 
-    times: dict[str, list[float]] = {"floor": [], "ram_file": [], "file_reload": []}
+    times: dict[str, list[float]] = {"floor copy_": [], "floor memcpy": [], "ram_file": [], "  write": [],
+                                     "  engine": [], "ram_file_copy_": [], "file_reload": []}
+
+    async def ram_file_copy_():
+        fast, weights._copy = weights._copy, lambda dst, src: dst.copy_(src)
+        try:
+            await transport.transfer(model.state_dict().items(), engine, rep)
+        finally:
+            weights._copy = fast
+
     try:
         for rep in range(reps + 1):  # the first round warms up (first mapping, page faults), untimed
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0001)
-            order = ["floor", "ram_file", "file_reload"]
+            order = ["floor copy_", "floor memcpy", "ram_file", "ram_file_copy_", "file_reload"]
             for what in order if rep % 2 else order[::-1]:
                 t0 = time.perf_counter()
-                if what == "floor":
+                if what == "floor copy_":
                     floor()
+                elif what == "floor memcpy":
+                    floor_memcpy()
                 elif what == "ram_file":
-                    await transport.transfer(model.state_dict().items(), engine, rep)
+                    await transport.transfer(model.state_dict().items(), timed, rep)
+                elif what == "ram_file_copy_":
+                    await ram_file_copy_()
                 else:
                     await file_reload()
                 if rep:
                     times[what].append(time.perf_counter() - t0)
+                    if what == "ram_file":
+                        times["  engine"].append(timed.seconds)
+                        times["  write"].append(times[what][-1] - timed.seconds)
     finally:
         engine.shutdown()
         transport.close()
         shutil.rmtree(old_dir, ignore_errors=True)
     for what, ts in times.items():
         print(f"  {what:12} median {median(ts):.3f} s  ({' '.join(f'{t:.3f}' for t in ts)})")
-    f = median(times["floor"])
-    print(f"  ram_file / floor {median(times['ram_file']) / f:.2f}   file_reload / floor "
+    f = min(median(times["floor copy_"]), median(times["floor memcpy"]))
+    times["floor"] = [f]
+    print(f"  ram_file / floor {median(times['ram_file']) / f:.2f} (write / floor "
+          f"{median(times['  write']) / f:.2f}, engine / floor {median(times['  engine']) / f:.2f})   "
+          f"ram_file_copy_ / floor {median(times['ram_file_copy_']) / f:.2f}   file_reload / floor "
           f"{median(times['file_reload']) / f:.2f}   file_reload / ram_file "
           f"{median(times['file_reload']) / median(times['ram_file']):.2f}")
     return times
@@ -103,18 +159,19 @@ async def bench_model(name: str, path: str, reps: int) -> dict[str, list[float]]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--models", default="tiny,qwen2-120m")
+    p.add_argument("--models", default="tiny,llama-135m", help="of tiny, qwen2-120m, llama-135m")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tiny = default_model(default_config())
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {"tiny": tiny, "qwen2-120m": lambda: qwen2_120m(tiny, Path(tmp) / "qwen2-120m")}
+        paths = {"tiny": tiny, "qwen2-120m": lambda: qwen2_120m(tiny, Path(tmp) / "qwen2-120m"),
+                 "llama-135m": llama_135m}
         for name in args.models.split(","):
             path = paths[name]
             results[name] = asyncio.run(bench_model(name, path() if callable(path) else path, args.reps))
     last = results[args.models.split(",")[-1]]
-    print(f"ratio: {median(last['ram_file']) / median(last['floor']):.3f}")
+    print(f"ratio: {median(last['ram_file']) / last['floor'][0]:.3f}")
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
 def tool_call_regex(names: list[str]) -> str:
     """Output pattern that forces one Hermes-style call of one of `names` (`tool_choice`)."""
     alternatives = "|".join(re.escape(json.dumps(n)) for n in names)
-    return (r'<tool_call>\{"name": (' + alternatives + r'), "arguments": '
-            r'\{("[a-z_]{1,20}": "[^"\\<>]{0,80}"(, "[a-z_]{1,20}": "[^"\\<>]{0,80}"){0,3})?\}\}</tool_call>')
+    pair = r'"[a-z_]{1,20}": "[^"\\<>\x00-\x1f]{0,80}"'  # no control characters (JSON forbids them raw)
+    return (r'<tool_call>\{"name": (' + alternatives + r'), "arguments": \{(' + pair + r'(, ' + pair
+            + r'){0,3})?\}\}</tool_call>')
 
 
 def _message_key(message: dict[str, Any]) -> str:

@@ -7,6 +7,28 @@ from pathlib import Path
 
 from rlexp.rollout.weights import WEIGHTS_FILE, read_shared
 
+# Buffers vLLM computes from the config and never reads from a checkpoint (the rotary
+# embeddings' cos/sin tables). vLLM's layer-wise in-place reload counts every tensor of a module
+# as a weight to load, so at each sync it found none for the rotary embedding and logged
+# "RotaryEmbedding: Failed to load weights" (any model with rope: Llama, Qwen2, Qwen3, ...),
+# then put the unchanged table back. Listed as never-loaded, the reload leaves them alone.
+DERIVED_BUFFERS = ("cos_sin_cache", "cos_sin_cache_bf16")
+
+
+def skip_derived_buffers() -> bool:
+    """Add DERIVED_BUFFERS to vLLM's own sets of tensors its reload never loads (and never
+    moves to the meta device); False if this vLLM has no such sets."""
+    try:
+        from vllm.model_executor.model_loader.reload import meta
+    except ImportError:
+        return False
+    for name in ("SKIP_LOAD_TENSORS", "SKIP_TENSORS"):
+        names = getattr(meta, name, None)
+        if not isinstance(names, set):
+            return False
+        names.update(DERIVED_BUFFERS)
+    return True
+
 
 class SharedWeightLoader:
     def load_shared_weights(self, directory: str) -> None:
@@ -33,3 +55,8 @@ class SharedWeightLoader:
         for r in readers:
             r.busy_loop_s = seconds
         return len(readers)
+
+
+# vLLM imports this module in each of its workers (as the worker extension) before any weight
+# update, whichever way the update comes (this loader, vLLM's own reload, vLLM's IPC transfer).
+skip_derived_buffers()

@@ -1,0 +1,505 @@
+"""Real architectures (rlexp/models/arch.py: Llama, Qwen2, Qwen3 with random weights, trained
+BPE tokenizers and the published chat templates) through the code paths of a `model=local`
+run: vLLM rollout vs the GRPO trainer's logprobs, before and after a weight sync through the
+default transport (conf/weight_transfer/ram_file.yaml), and multi-turn chat sessions.
+
+    .venv/bin/pytest tests/test_architectures.py -s     # prints the figures ([arch] lines)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlexp.agents.single_turn import render_prompt
+from rlexp.chat.client import SessionStore
+from rlexp.models.arch import FAMILIES, LAYOUTS, build_arch_model
+from rlexp.sample import Generation, Sample, SamplingConfig, Status, TokenTrace
+from tests.fakes import ScriptedEngine
+
+# name -> build_arch_model arguments; "smollm2" is SmolLM2's layout: a Llama with its template
+# and tokenizer, tied embeddings
+BUILDS: dict[str, dict] = {
+    "llama": {"family": "llama"}, "qwen2": {"family": "qwen2"}, "qwen3": {"family": "qwen3"},
+    "smollm2": {"family": "llama", "chat_template": "smollm2", "tie_word_embeddings": True}}
+TEMPLATE = {name: kw.get("chat_template") or FAMILIES[kw["family"]].template for name, kw in BUILDS.items()}
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="session")
+def arch_paths(tmp_path_factory) -> dict[str, str]:
+    cache = str(tmp_path_factory.mktemp("arch-models"))
+    return {name: build_arch_model(cache_dir=cache, seed=0, **kw) for name, kw in BUILDS.items()}
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)  # as the loop loads it
+
+
+# ---- fast: tokenizers, templates, models --------------------------------------------------
+
+TEXTS = [
+    "Hello, world!\n\n  indented\ttab\r\nCRLF line  trailing spaces  ",
+    " leading space and\nnew lines\n\n\n",
+    "12345+678=13023; 3.14159 * 2 = 6.28318",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n",
+    "Café naïve façade — “quotes” … Zürich; Русский; 日本語; 中文; 한국어; العربية; 🙂🚀; ∑√π≤∞",
+    "\u00a0non-breaking\u2009thin\u200bzero-width; control \x00\x01\x7f chars",
+    "x" * 300,
+]
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_tokenizer_round_trips_text_and_has_the_family_layout(arch_paths, name):
+    tok = _tokenizer(arch_paths[name])
+    layout = LAYOUTS[TEMPLATE[name]]
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+    # a trained BPE, not one token per byte
+    assert len(tok.encode("The answer is 42. Return the value.", add_special_tokens=False)) <= 12
+    # Qwen's tokenizer normalises to NFC (as the published one does); the others keep any text
+    decomposed = "e\u0301t\u00e9"
+    back = tok.decode(tok.encode(decomposed, add_special_tokens=False))
+    assert back == (unicodedata.normalize("NFC", decomposed) if layout.nfc else decomposed)
+    # special tokens: the published strings, order and place (after the BPE vocabulary, or first)
+    first = tok.convert_tokens_to_ids(layout.specials[0])
+    assert first == (0 if layout.specials_first else len(tok) - len(layout.specials) - len(layout.plain))
+    n = len(layout.specials)
+    assert [tok.convert_tokens_to_ids(t) for t in layout.specials] == [*range(first, first + n)]
+    assert tok.eos_token == layout.eos and tok.bos_token == layout.bos and tok.pad_token == layout.pad
+    text = f"a{layout.eos}b" + "".join(layout.plain[:2])
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert len(tok.encode(layout.eos, add_special_tokens=False)) == 1
+    # non-special added tokens (Qwen's <tool_call>, <think>) survive skip_special_tokens
+    assert tok.decode(tok.encode(f"{layout.eos}x", add_special_tokens=False), skip_special_tokens=True) == "x"
+    for plain in layout.plain:
+        assert tok.decode(tok.encode(plain, add_special_tokens=False), skip_special_tokens=True) == plain
+    # Llama 3 adds <|begin_of_text|> when special tokens are added; the others add nothing
+    bos = [tok.bos_token_id] if layout.add_bos else []
+    assert tok.encode("hi") == bos + tok.encode("hi", add_special_tokens=False)
+    # the published pre-tokenizers: Llama 3 cuts digits in threes, Qwen2 one by one, SmolLM2 not
+    pieces = [p for p, _ in tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 1234567")]
+    assert pieces == {"llama3": ["x", "Ġ", "123", "456", "7"], "qwen2": ["x", "Ġ", *"1234567"],
+                      "gpt2": ["x", "Ġ1234567"]}[layout.pre_tokenizer]
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"}]
+RENDERED = {
+    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                "December 2023\nToday Date: 26 Jul 2024\n\nYou are terse.<|eot_id|><|start_header_id|>user"
+                "<|end_header_id|>\n\nWhat is 2+2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+                "4<|eot_id|>",
+    "qwen2.5": "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+               "<|im_start|>assistant\n4<|im_end|>\n",
+    # the last assistant turn after the last user query gets an (empty) think block
+    "qwen3": "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+             "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>\n",
+    "smollm2": "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+               "<|im_start|>assistant\n4<|im_end|>\n",
+}
+GENERATION_PROMPT = {"llama3.1": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                     "qwen2.5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
+                     "smollm2": "<|im_start|>assistant\n"}
+DEFAULT_SYSTEM = {"llama3.1": "Cutting Knowledge Date: December 2023",
+                  "qwen2.5": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+                  "qwen3": None,
+                  "smollm2": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}
+TOOL = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                       "required": ["expression"]}}}
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_template_renders_the_family_markers(arch_paths, name):
+    tok = _tokenizer(arch_paths[name])
+    template = TEMPLATE[name]
+    assert tok.apply_chat_template(CHAT, tokenize=False) == RENDERED[template]
+    user = CHAT[1:2]
+    prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("What is 2+2?" + ("<|eot_id|>" if template == "llama3.1" else "<|im_end|>\n")
+                           + GENERATION_PROMPT[template])
+    if DEFAULT_SYSTEM[template]:
+        assert DEFAULT_SYSTEM[template] in prompt
+    else:
+        assert prompt.startswith("<|im_start|>user\n")
+    with_tools = tok.apply_chat_template(user, tools=[TOOL], tokenize=False, add_generation_prompt=True)
+    if template == "smollm2":  # SmolLM2's template ignores tools
+        assert with_tools == prompt
+    else:
+        assert '"name": "calculator"' in with_tools and "calculator" not in prompt
+        if template != "llama3.1":  # Hermes-style calls
+            assert "<tool_call>" in with_tools
+    # preflight renders prompts without transformers (to check their lengths): the same text
+    from rlexp.preflight import LightTokenizer
+
+    light = LightTokenizer.load(arch_paths[name])
+    assert light is not None
+    assert light.apply_chat_template(user, add_generation_prompt=True) == prompt
+    assert light.apply_chat_template(user, add_generation_prompt=True, tools=[TOOL]) == with_tools
+    assert light.apply_chat_template(CHAT, add_generation_prompt=False) == RENDERED[template]
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_model_is_the_family_architecture_and_loads_in_transformers(arch_paths, name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = arch_paths[name]
+    family = FAMILIES[BUILDS[name]["family"]]
+    config = AutoConfig.from_pretrained(path)
+    assert type(config).__name__ == family.config_class
+    assert config.head_dim in (32, 64, 80, 96, 112, 128)
+    assert config.tie_word_embeddings == BUILDS[name].get("tie_word_embeddings", family.tie_word_embeddings)
+    tok = _tokenizer(path)
+    assert config.vocab_size >= len(tok) and config.vocab_size % 64 == 0
+    layout = LAYOUTS[TEMPLATE[name]]
+    gen = json.loads(Path(path, "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [tok.convert_tokens_to_ids(t) for t in layout.stop]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    names = set(model.state_dict())
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3")
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (name == "qwen2")
+    ids = torch.tensor([render_prompt(tok, CHAT[1:2])])
+    assert model(input_ids=ids).logits.shape == (1, ids.shape[1], config.vocab_size)
+    # cached by its arguments: the same call returns the same directory without building
+    assert build_arch_model(cache_dir=str(Path(path).parent), seed=0, **BUILDS[name]) == path
+
+
+def test_a_build_is_reproducible(arch_paths, tmp_path):
+    again = build_arch_model("qwen2", str(tmp_path), seed=0)
+    for f in ("model.safetensors", "tokenizer.json", "config.json", "chat_template.jinja"):
+        assert Path(again, f).read_bytes() == Path(arch_paths["qwen2"], f).read_bytes(), f
+
+
+# ---- prefix preservation ---------------------------------------------------------------------
+
+
+def break_reasons(tokenizer, template: str, gen: Generation) -> list[str]:
+    """Why writing this reply back into the template as history does not reproduce the text it
+    was generated as (a prefix break at the next turn); empty if it does."""
+    ids = gen.token_ids
+    stopped = gen.finish_reason == "stop" and bool(ids) and ids[-1] in tokenizer.all_special_ids
+    raw = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+    reasons = []
+    end = LAYOUTS[template].eos  # what the template closes an assistant turn with
+    if stopped and tokenizer.convert_ids_to_tokens(ids[-1]) != end:
+        reasons.append(f"stopped on {tokenizer.convert_ids_to_tokens(ids[-1])}, re-rendered as {end}")
+    if template == "llama3.1" and raw != raw.strip():
+        reasons.append("Llama 3.1 trims assistant content")
+    if template == "qwen3" and "</think>" in raw:
+        reasons.append("Qwen3 drops <think>...</think> from earlier turns")
+    return reasons
+
+
+class _Recorder:
+    """The engine, recording every generation (the session sees the engine unchanged)."""
+
+    def __init__(self, engine):
+        self.engine, self.gens = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, token_ids, sampling):
+        gen = await self.engine.generate(token_ids, sampling)
+        self.gens.append(gen)
+        return gen
+
+
+@dataclass
+class SessionReport:
+    """One recorded chat: rlexp's prefix-break count, its training samples (leaves), and why
+    each reply written back into a later prompt is rewritten by the template (empty: it is not)."""
+
+    breaks: int
+    leaves: int
+    reasons: list[list[str]]
+    replies: list[tuple[str, str]]  # (text with special tokens, finish reason)
+
+    @property
+    def rewrites(self) -> int:
+        return sum(map(bool, self.reasons))
+
+
+async def _sessions(engine, tokenizer, template: str, n_sessions: int, turns: int = 3, seed: int = 0,
+                    max_tokens: int = 12) -> list[SessionReport]:
+    """`n_sessions` chats of `turns` turns (answer, "Try again.", ...) through rlexp's session
+    store (the OpenAI-shaped client the agents use)."""
+    recorder = _Recorder(engine)
+    store = SessionStore(recorder, tokenizer, max_context=512)
+    out = []
+    for s in range(n_sessions):
+        messages = [{"role": "user", "content": f"What is {s + 12}+{s + 30}?"}]
+        async with store.record(SamplingConfig(1.0, 1.0, max_tokens, seed + s)) as rec:
+            for turn in range(turns):
+                reply = await rec.client.chat.completions.create(messages=messages,
+                                                                 seed=seed + 100 * s + turn)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": "Try again."}]
+        session = rec.session
+        assert session is not None and session.calls == turns
+        gens = recorder.gens[-turns:]
+        out.append(SessionReport(
+            session.prefix_breaks, len(session.leaves()),
+            [break_reasons(tokenizer, template, g) for g in gens[:-1]],  # the last is never written back
+            [(tokenizer.decode(g.token_ids, skip_special_tokens=False), g.finish_reason) for g in gens]))
+    return out
+
+
+def check_sessions(reports: list[SessionReport]) -> None:
+    """What a template that rewrites a reply does to a session: the reply's branch is not
+    continued, so it ends up as a training sample of its own (one extra leaf per rewritten
+    reply). rlexp counts that as a prefix break only when no earlier branch of the session
+    matches the new rendering; when one does (the rewritten reply is not the first), the
+    session forks from it instead and `prefix_breaks` does not count it."""
+    for r in reports:
+        assert r.leaves - 1 == r.rewrites, r
+        assert r.breaks <= r.rewrites, r
+        first_rewritten = bool(r.reasons[0])
+        assert r.breaks >= first_rewritten, r
+
+
+SCRIPTS = {  # replies; the template-rewritten one is first (a counted break) or second (a fork)
+    "first": [" <think>a</think>4", "5", "6"],
+    "second": ["4", " <think>a</think>5", "6"],
+}
+REWRITES = {"llama3.1": 1, "qwen2.5": 0, "qwen3": 1, "smollm2": 0}  # a leading space, a think block
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("name", BUILDS)
+def test_prefix_breaks_of_the_real_templates_with_scripted_replies(arch_paths, name, script):
+    """Qwen2.5's and SmolLM2's templates write earlier replies back verbatim; Llama 3.1's trims
+    them and Qwen3's drops their <think> blocks."""
+    tok = _tokenizer(arch_paths[name])
+    template = TEMPLATE[name]
+    (report,) = asyncio.run(_sessions(ScriptedEngine(tok, list(SCRIPTS[script])), tok, template, 1))
+    assert report.rewrites == REWRITES[template], report
+    check_sessions([report])
+    assert report.breaks == (report.rewrites if script == "first" else 0), report
+
+
+# ---- vLLM: one engine per architecture --------------------------------------------------------
+
+
+@dataclass
+class Served:
+    name: str
+    path: str
+    tokenizer: object
+    engine: object
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def served(request, arch_paths):
+    from rlexp.rollout.vllm_engine import VLLMEngine
+
+    name, path = request.param, arch_paths[request.param]
+    loop = asyncio.new_event_loop()  # the engine's: AsyncLLM stays bound to the loop it started in
+
+    async def start():
+        return VLLMEngine(path, seed=0, temperature=TEMPERATURE, max_model_len=512, kv_cache_gb=0.25,
+                          max_num_seqs=32)
+
+    engine = loop.run_until_complete(start())
+    try:
+        yield Served(name, path, _tokenizer(path), engine, loop)
+    finally:
+        async def stop():
+            engine.shutdown()
+
+        loop.run_until_complete(stop())
+        loop.close()
+
+
+def _samples(prompts, gens, rewards=None) -> list[Sample]:
+    out = []
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        trace = TokenTrace()
+        trace.append(p, role="prompt")
+        trace.append(g.token_ids, role="assistant", generation=g)
+        out.append(Sample(group_id=i // 2, prompt=[], answer="", trace=trace, status=Status.COMPLETED,
+                          reward=rewards[i] if rewards else 0.0))
+    return out
+
+
+def _max_diff(trainer, prompts, gens) -> float:
+    ours = trainer.compute_old_logprobs(_samples(prompts, gens))
+    return max((lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
+               for p, g, lp in zip(prompts, gens, ours))
+
+
+def _change(old, new) -> float:
+    """The largest logprob change of the same sampled token at the same position (requests
+    with the same seed), over the tokens the two generations share as a prefix."""
+    out = 0.0
+    for a, b in zip(old, new):
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            if ta != tb:
+                break
+            out = max(out, abs(la - lb))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_logprobs_match_the_trainer_before_and_after_a_weight_sync(served):
+    from rlexp.rollout.weights import RamFileTransport
+    from rlexp.trainer.grpo import GRPOTrainer
+
+    tok, engine = served.tokenizer, served.engine
+    trainer = GRPOTrainer(served.path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    questions = ["What is 12+3?", "Name a prime number.", "Say hello in French."]
+    prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in questions for _ in (0, 1)]
+
+    async def rollout():
+        return await asyncio.gather(*(engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 16, seed=7 + i))
+                                      for i, p in enumerate(prompts)))
+
+    gens = served.run(rollout())
+    assert all(len(g.token_ids) == len(g.logprobs) > 0 and g.version == 0 for g in gens)
+    before = _max_diff(trainer, prompts, gens)
+    # one GRPO step on these samples (rewards differ within each group: a real gradient)
+    metrics = trainer.fit(_samples(prompts, gens, rewards=[1.0, 0.0] * len(questions)), version=0)
+    assert metrics["train/skipped_step"] == 0.0
+    moved = _max_diff(trainer, prompts, gens)  # the engine still has the old weights
+    transport = RamFileTransport()  # conf/weight_transfer/ram_file.yaml, as the loop builds it
+    try:
+        served.run(transport.transfer(trainer.weights(), engine, 1))
+    finally:
+        transport.close()
+    assert engine.version == 1
+    synced = served.run(rollout())
+    assert all(g.versions == [1] * len(g.token_ids) for g in synced)
+    after = _max_diff(trainer, prompts, synced)
+    changed = _change(gens, synced)
+    print(f"\n[arch] {served.name}: logprob max |vLLM - trainer| before sync {before:.2e}, after sync "
+          f"{after:.2e}; trainer moved by {moved:.2e}, engine logprobs changed by {changed:.2e} "
+          "across the sync")
+    assert before < 1e-4 and after < 1e-4, (before, after)
+    assert moved > 1e-2 and changed > 1e-2  # the step moved the weights, and the sync carried them
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_three_turn_sessions_prefix_breaks(served):
+    template = TEMPLATE[served.name]
+    reports = served.run(_sessions(served.engine, served.tokenizer, template, n_sessions=4, seed=3))
+    rewrites, breaks = sum(r.rewrites for r in reports), sum(r.breaks for r in reports)
+    why = sorted({reason for r in reports for reasons in r.reasons for reason in reasons})
+    print(f"\n[arch] {served.name} ({template}): 4 three-turn sessions, 8 replies written back: "
+          f"{rewrites} rewritten by the template ({why}), {breaks} counted as prefix breaks by rlexp, "
+          f"{rewrites - breaks} as forks")
+    check_sessions(reports)
+    if template in ("qwen2.5", "smollm2"):  # verbatim but for a stop on another end token
+        assert all("stopped on" in x for r in reports for reasons in r.reasons for x in reasons)
+
+
+@pytest.mark.vllm
+def test_vllm_in_place_reload_leaves_the_rotary_tables_alone():
+    """vLLM's layer-wise reload (what every weight sync runs in the engine's worker) counted the
+    rotary embedding's cos/sin table, computed from the config and in no checkpoint, as a weight
+    to load and logged "RotaryEmbedding: Failed to load weights" at every sync. The worker
+    extension lists it as never loaded; other modules that load nothing are still reported."""
+    import logging
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from rlexp.rollout.vllm_worker import skip_derived_buffers
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary_emb = RotaryEmbedding(64, 64, 128, 10000.0, True, torch.float32)
+            self.norm = torch.nn.LayerNorm(8)
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(layerwise.__name__)
+    logger.addHandler(handler)
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            model = Model()
+        table = model.rotary_emb.cos_sin_cache.clone()
+        layerwise.record_metadata_for_reloading(model)
+        assert skip_derived_buffers()
+        layerwise.initialize_layerwise_reload(model)  # a reload that loads nothing
+        layerwise.finalize_layerwise_reload(model, None)
+    finally:
+        logger.removeHandler(handler)
+    assert messages == ["LayerNorm: Failed to load weights"]
+    assert torch.equal(model.rotary_emb.cos_sin_cache, table)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("path", ["template", "system_prompt"])
+def test_vllm_tool_call_through_the_template_and_the_system_prompt(served, path):
+    """A call forced with tool_choice (vLLM's structured output), parsed, answered with a tool
+    message, and a second turn that extends the first's tokens: with the family's template
+    rendering the specs, and with rlexp writing them into the system prompt (what a template
+    without tool support gets; on the served Llama also through SmolLM2's template, `auto`)."""
+    import copy
+
+    from rlexp.chat.session import render_chat
+    from rlexp.chat.tool_prompt import tools_system_text as tool_prompt_text
+    from rlexp.tools.calculator import Calculator
+
+    tokenizers = [(path, served.tokenizer)]
+    if path == "system_prompt" and served.name == "llama":
+        smol = copy.deepcopy(served.tokenizer)
+        smol.chat_template = (Path(__file__).parents[1] / "rlexp/models/templates/smollm2.jinja").read_text()
+        tokenizers.append(("auto", smol))
+    for tool_prompt, tokenizer in tokenizers:
+        store = SessionStore(served.engine, tokenizer, 512, tool_prompt=tool_prompt)
+        assert store.tool_prompt == path
+        sid = store.open()
+        messages: list[dict] = [{"role": "user", "content": "What is 12+34? Use the calculator."}]
+        spec = [Calculator.spec]
+        room = 512 - len(tokenizer(render_chat(tokenizer, messages, spec, tool_prompt=path),
+                                    add_special_tokens=False).input_ids)
+        first = served.run(store.chat(sid, {"messages": messages, "tools": spec, "tool_choice": "required",
+                                            "max_tokens": room - 16, "seed": 1}))
+        msg = first["choices"][0]["message"]
+        assert first["choices"][0]["finish_reason"] == "tool_calls", msg
+        (call,) = msg["tool_calls"]
+        assert call["function"]["name"] == "calculator"
+        prompt_text = tokenizer.decode(first["prompt_token_ids"])
+        assert '"calculator"' in prompt_text  # the model saw the spec, on either path
+        if path == "system_prompt":
+            assert tool_prompt_text(spec) in prompt_text
+        else:  # the template's own rendering, with its own tools section
+            assert prompt_text == tokenizer.apply_chat_template(messages, tools=spec, tokenize=False,
+                                                                add_generation_prompt=True)
+        messages += [msg, {"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": "46"}]
+        second = served.run(store.chat(sid, {"messages": messages, "tools": spec, "max_tokens": 8,
+                                             "seed": 2}))
+        head = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+        extends = second["prompt_token_ids"][: len(head)] == head
+        assert "46" in tokenizer.decode(second["prompt_token_ids"][len(first["prompt_token_ids"]):])
+        session = store.close(sid)
+        end = tokenizer.decode(head[-1:], skip_special_tokens=False)
+        print(f"\n[arch] {served.name} tool call via {path} ({tool_prompt}): "
+              f"{call['function']['arguments']}, stopped on {end}, prefix breaks {session.prefix_breaks}")
+        # A reply that stops on an end token other than the template's end of turn (Qwen's
+        # <|endoftext|> vs <|im_end|>) cannot be a prefix of the next rendering: counted, never silent.
+        assert session.prefix_breaks == (0 if extends else 1)
+        if end in ("<|im_end|>", "<|eot_id|>"):
+            assert extends
