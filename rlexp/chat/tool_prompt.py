@@ -15,6 +15,7 @@ Two paths (`tool_prompt` in agent=tool and agent=openai):
 
 from __future__ import annotations
 
+import contextlib
 import json
 from functools import lru_cache
 from typing import Any, Literal
@@ -97,8 +98,6 @@ def _call(call: dict[str, Any]) -> dict[str, Any]:
     fn = call.get("function", call)
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: written as the string it is
             args = json.loads(args)
-        except json.JSONDecodeError:
-            pass
     return {"name": fn.get("name"), "arguments": args}
