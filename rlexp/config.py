@@ -107,6 +107,14 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     _check_scheduler(cfg)
+    _check_cluster(cfg)
+
+
+def _check_cluster(cfg: DictConfig) -> None:
+    from rlexp.rollout.accounting import one_engine
+
+    if OmegaConf.select(cfg, "cluster.replicas") is None:  # not a cluster of replicas (cluster=local)
+        one_engine(OmegaConf.select(cfg, "rollout.replicas") or 1)
 
 
 def derived(cfg: DictConfig) -> dict[str, int]:

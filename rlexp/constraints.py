@@ -21,3 +21,5 @@ Temperature = Annotated[float, Gt(0)]
 TopP = Annotated[float, Gt(0), Le(1)]
 # "auto": bfloat16 on a GPU, float32 on a CPU (rlexp.models.local.resolve_dtype)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# Ray placement: rollout and trainer on separate devices (split) or sharing them (colocate)
+Placement = Literal["split", "colocate"]

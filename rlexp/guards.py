@@ -20,6 +20,7 @@ from annotated_types import Gt
 
 from rlexp.errors import JudgeError
 from rlexp.protocols import Agent, Judge
+from rlexp.rollout.accounting import conversation
 from rlexp.sample import Sample, Status
 
 Timeout = Annotated[float, Gt(0)] | None
@@ -34,6 +35,7 @@ class AgentGuard:
         self.timeout_s = timeout_s
 
     async def rollout(self, sample: Sample) -> Sample | list[Sample]:
+        conversation.set(sample)  # this task's requests are one conversation (a pool routes on it)
         if self.timeout_s is None:
             return await self.agent.rollout(sample)
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import logging
 import random
 import time
@@ -25,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rlexp import checkpoint
 from rlexp.chat import tool_prompt
+from rlexp.cluster import LocalCluster
 from rlexp.config import RUN_CONFIG, derived
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError, EngineDead, RunStopped
@@ -79,6 +81,8 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     t3 = time.time()
     busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
     metrics = rollout_metrics(batch, version) | train_metrics
+    if hasattr(engine, "pop_replica_metrics"):  # a pool of replicas (cluster=ray)
+        metrics |= engine.pop_replica_metrics()
     if busy > 0.01:  # generation speed while the engine had work (this step's window)
         metrics["throughput/rollout_tokens_per_s"] = generated / busy
     for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
@@ -107,6 +111,7 @@ class RLLoop:
         self.scheduler: Scheduler | None = None
         self.trainer: Trainer | None = None
         self.transport: WeightTransport | None = None
+        self.cluster: Any = None
 
     async def execute(self, tags: dict[str, str] | None = None, resume_from: Path | None = None,
                       inputs: Inputs | None = None) -> dict[str, float]:
@@ -157,11 +162,14 @@ class RLLoop:
 
     def start_tracking(self, tags: dict[str, str], resume_from: Path | None) -> None:
         self.tracker = tracker = build(self.cfg, "logger")
+        # Before the run starts: a Ray cluster that cannot place the replicas is a config error.
+        self.cluster = build(self.cfg, "cluster") if "cluster" in self.cfg else LocalCluster()
         if resume_from is None:
             tracker.tags = tags
             sizes = derived(self.cfg)
             log.info("derived: %s", sizes)
             extra = {f"derived.{k}": v for k, v in sizes.items()} | {"model.resolved_path": self.model_path}
+            extra |= self.cluster.params()
             if "tool_prompt" in self.cfg.agent:
                 asked = self.cfg.agent.tool_prompt
                 extra["chat.tool_prompt"] = path = tool_prompt.resolve(self.tokenizer, asked)
@@ -175,8 +183,11 @@ class RLLoop:
 
     async def setup_components(self) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
-        self.transport = build(cfg, "weight_transfer")  # first: it may refuse this machine (no CUDA)
-        self.engine = engine = build(cfg, "rollout", model_path=self.model_path)
+        # The transport first: it may refuse this machine (no CUDA), and it may configure the engine.
+        takes_cluster = "cluster" in inspect.signature(get_object(cfg.weight_transfer._target_)).parameters
+        self.transport = build(cfg, "weight_transfer", **({"cluster": self.cluster} if takes_cluster else {}))
+        log.info("building %-16s on cluster=%s", "rollout", self.cluster.name)
+        self.engine = engine = self.cluster.rollout_engine(cfg.rollout, self.model_path, self.transport)
         judge = build_guarded(cfg, "judge", JudgeGuard)
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
         self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
@@ -267,6 +278,8 @@ class RLLoop:
             self.engine.shutdown()
         if self.transport is not None:
             self.transport.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
         if self.tracker is not None:
             self.tracker.end(status, error)
         gc.unfreeze()  # a sweep runs the next job in this process: let this one's objects go

@@ -29,6 +29,7 @@ from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt, resolve
 from rlexp.errors import SessionError
 from rlexp.protocols import RolloutEngine
+from rlexp.rollout.accounting import conversation
 from rlexp.sample import Generation, Sample, SamplingConfig
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -115,6 +116,7 @@ class SessionStore:
         if not isinstance(request, ChatRequest):
             request = parse(ChatRequest, request, self.model_name)
         session = self.get(session_id)
+        conversation.set(session)  # a pool of replicas keeps the session on one (its prefix cache)
         raw = self._raw[session_id]
         messages = [m.for_template() for m in request.messages]
         # Our own earlier replies go back into the template exactly as they were generated

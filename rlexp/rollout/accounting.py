@@ -1,4 +1,5 @@
-"""Accounting every rollout engine shares: generated tokens and busy time."""
+"""What every rollout engine shares: generated tokens, busy time, and which conversation a
+request belongs to (a pool of replicas keeps a conversation on one replica)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ from contextvars import ContextVar
 # per prompt group; engines add to it), so tokens that were generated but never trained
 # are counted exactly, whatever agent produced them.
 generated_tokens: ContextVar[list[int] | None] = ContextVar("generated_tokens", default=None)
+
+
+# The conversation the current task's requests belong to: any object that lives as long as
+# the conversation (the sample's rollout sets one; a chat session is one). A RolloutPool
+# sends every request of one conversation to the same replica, whose prefix cache holds it.
+conversation: ContextVar[object | None] = ContextVar("conversation", default=None)
 
 
 def count_generated(n: int) -> None:
@@ -40,3 +47,11 @@ class BusyMeter:
     @property
     def busy_s(self) -> float:
         return self._busy + (time.perf_counter() - self._since if self.active else 0.0)
+
+
+def one_engine(replicas: int) -> None:
+    """An engine class builds one engine; replicas are a pool's (cluster=ray)."""
+    if replicas != 1:
+        from rlexp.errors import ConfigError
+
+        raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")

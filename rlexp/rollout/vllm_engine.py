@@ -20,7 +20,7 @@ from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout import reaper
-from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.accounting import BusyMeter, count_generated, one_engine
 from rlexp.sample import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,13 @@ class VLLMEngine:
         max_num_batched_tokens: int = 8192,
         weight_transfer_backend: str | None = None,
         idle_spin_s: float | None = 0.05,
+        replicas: AtLeast1 = 1,
+        gpus_per_replica: AtLeast1 = 1,
     ):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        one_engine(replicas)
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             model=model_path,
@@ -90,6 +93,7 @@ class VLLMEngine:
             kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
         if on_gpu:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+            kwargs["tensor_parallel_size"] = gpus_per_replica
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         t0 = time.time()

@@ -73,6 +73,8 @@ class VllmIpcTransport:
     `weight_transfer=vllm_ipc` config sets both). `packed`: send through one bounded
     staging buffer instead of a handle per tensor (less memory, one more copy)."""
 
+    engine_backend = "ipc"  # the engine side of the transfer (rollout.weight_transfer_backend)
+
     def __init__(self, packed: bool = False):
         if not torch.cuda.is_available():
             raise RuntimeError("weight_transfer=vllm_ipc needs CUDA; on CPU use weight_transfer=ram_file")

@@ -1,0 +1,307 @@
+"""RolloutPool: `rollout.replicas` engines, each in its own Ray actor, behind the one
+RolloutEngine Protocol, so schedulers, agents and the chat server use it unchanged.
+
+- Routing: a request goes to the replica with the fewest requests in flight; every request
+  of one conversation (`accounting.conversation`) goes to the replica that served its first.
+- Weights: pause / resume / weight updates fan out to every replica; generation resumes
+  only once all of them serve the new version.
+- Accounting is counted here, from the generations that come back (the replicas' own
+  counters live in other processes).
+- Faults: a replica whose actor dies is taken out of routing; its requests are retried on
+  the others (per-request seeds give the same tokens). Ray restarts the actor (its engine
+  starts from the model path); the pool then loads the current weights and version into it
+  before routing to it again. With no replica left the run stops (EngineDead: resume hint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from rlexp.errors import EngineDead
+from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
+from rlexp.sample import Generation, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    """Runs inside a Ray actor: one rollout engine built from its config (`spec`, the rollout
+    group with `_target_`) and the weight loading the pool asks of it."""
+
+    def __init__(self, spec: dict[str, Any], model_path: str):
+        from hydra.utils import instantiate
+
+        self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
+        self._local: Any = None  # weights received through the object store land in a RAM file
+
+    def ready(self) -> tuple[str, int, int]:
+        """(node id, pid, version): answers once the engine is up."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self.engine.version
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        return await self.engine.generate(token_ids, sampling)
+
+    async def pause(self, interrupt: bool) -> None:
+        await self.engine.pause(interrupt)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def load_weights(self, directory: str, version: int) -> None:
+        """From a safetensors file this node can read (RamFileTransport on one node)."""
+        await self.engine.load_weights(Path(directory), version)
+
+    async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
+        """From Ray's object store (`arrays` arrives resolved on this node); written into this
+        replica's own RAM file, then loaded like a local sync."""
+        from rlexp.cluster.transports import from_arrays
+        from rlexp.rollout.weights import RamFileTransport
+
+        if self._local is None:
+            self._local = RamFileTransport()
+        await self._local.transfer(from_arrays(arrays), self.engine, version)
+
+    async def call_engine(self, method: str, *args: Any) -> Any:
+        """A method of the engine by name (vLLM's native weight transfer on GPU)."""
+        result = getattr(self.engine, method)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        if self._local is not None:
+            self._local.close()
+
+
+def _lost(e: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError)
+
+
+class RolloutPool:
+    """`actors`: EngineReplica handles (already placed). `sampling` / `max_model_len`: the
+    engines' settings (the same for all)."""
+
+    def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
+                 sleeps: bool = False):
+        self.actors = actors
+        self.sampling = sampling
+        self.max_model_len = max_model_len
+        self.version = 0
+        self.busy = BusyMeter()  # busy while any replica has a request in flight
+        self.replica_busy = [BusyMeter() for _ in actors]
+        self.in_flight = [0] * len(actors)
+        self.restarts = [0] * len(actors)
+        self._peak = [0] * len(actors)  # most requests in flight since the last report
+        self._requests = [0] * len(actors)
+        self._reported = [(0.0, 0) for _ in actors]  # (busy_s, tokens) at the last report
+        self._healthy = [True] * len(actors)
+        self._recovering: dict[int, asyncio.Task] = {}
+        self._sticky: dict[int, int] = {}  # id(conversation) -> its replica
+        self._running = asyncio.Event()
+        self._running.set()
+        self._paused_with: bool | None = None  # the interrupt mode of the pause now in effect
+        self._sleeping = False
+        self._update = asyncio.Lock()  # one weight update (or a replica's catch-up) at a time
+        # How the current weights were loaded: a restarted replica runs it too
+        self._reload: Callable[[Any], Awaitable[None]] | None = None
+        self.sleeps = sleeps
+
+    # ---- routing ---------------------------------------------------------------------
+    def _pick(self, key: Any, excluded: set[int]) -> int | None:
+        i = self._sticky.get(id(key)) if key is not None else None
+        if i is not None and self._healthy[i] and i not in excluded:
+            return i
+        candidates = [i for i, ok in enumerate(self._healthy) if ok and i not in excluded]
+        if not candidates:
+            return None
+        i = min(candidates, key=lambda j: (self.in_flight[j], j))
+        if key is not None:
+            if id(key) not in self._sticky:  # forgotten with the conversation
+                weakref.finalize(key, self._sticky.pop, id(key), None)
+            self._sticky[id(key)] = i
+        return i
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        key = conversation.get()
+        failed: set[int] = set()
+        while True:
+            await self._running.wait()
+            i = self._pick(key, failed)
+            if i is None:
+                if self._recovering:  # every replica down, some restarting: wait for one
+                    await asyncio.wait(list(self._recovering.values()), return_when=asyncio.FIRST_COMPLETED)
+                    failed.clear()
+                    continue
+                raise EngineDead(f"every rollout replica died ({len(self.actors)}; Ray restarts "
+                                 "exhausted, see cluster.max_restarts)")
+            ref = self.actors[i].generate.remote(token_ids, sampling)
+            self._enter(i)
+            try:
+                gen = await ref
+            except asyncio.CancelledError:
+                import ray
+
+                ray.cancel(ref)
+                raise
+            except Exception as e:
+                if not _lost(e):
+                    raise
+                log.warning("rollout replica %d lost (%s); retrying its request on another", i,
+                            type(e).__name__)
+                failed.add(i)
+                self._replica_lost(i)
+                continue
+            finally:
+                self._exit(i)
+            n = len(gen.token_ids)
+            count_generated(n)
+            self.busy.tokens += n
+            self.replica_busy[i].tokens += n
+            return gen
+
+    def _enter(self, i: int) -> None:
+        self.in_flight[i] += 1
+        self._requests[i] += 1
+        self._peak[i] = max(self._peak[i], self.in_flight[i])
+        self.busy.enter()
+        self.replica_busy[i].enter()
+
+    def _exit(self, i: int) -> None:
+        self.in_flight[i] -= 1
+        self.busy.exit()
+        self.replica_busy[i].exit()
+
+    # ---- faults ----------------------------------------------------------------------
+    def _replica_lost(self, i: int) -> None:
+        if not self._healthy[i]:
+            return
+        self._healthy[i] = False
+        self._recovering[i] = asyncio.create_task(self._recover(i))
+
+    async def _recover(self, i: int) -> None:
+        """Wait for Ray to restart the actor, bring it to the pool's weights, version and
+        state, then route to it again. An actor out of restarts stays out."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+        t0 = time.time()
+        try:
+            while True:
+                try:
+                    await self.actors[i].ready.remote()
+                    break
+                except ActorUnavailableError:  # restarting
+                    await asyncio.sleep(0.5)
+            async with self._update:  # routed again before the next update starts
+                if self._reload is not None:
+                    await self._reload(self.actors[i])
+                if self._sleeping:
+                    await self.actors[i].sleep.remote()
+                if self._paused_with is not None:
+                    await self.actors[i].pause.remote(self._paused_with)
+                self.restarts[i] += 1
+                self._healthy[i] = True
+            log.warning("rollout replica %d restarted by Ray and loaded policy version %d (%.1fs)",
+                        i, self.version, time.time() - t0)
+        except ActorDiedError as e:
+            log.error("rollout replica %d is gone for good: %s", i, e)
+        finally:
+            self._recovering.pop(i, None)
+
+    async def _fan_out(self, call: Callable[[Any], Any]) -> None:
+        """`call(actor)` on every routed replica, together; a replica lost on the way is left
+        to recovery (which brings it to the same state)."""
+        live = [i for i, ok in enumerate(self._healthy) if ok]
+        results = await asyncio.gather(*(call(self.actors[i]) for i in live), return_exceptions=True)
+        for i, r in zip(live, results):
+            if isinstance(r, BaseException):
+                if not _lost(r):
+                    raise r
+                self._replica_lost(i)
+        if not any(self._healthy) and not self._recovering:
+            raise EngineDead("every rollout replica died")
+
+    # ---- the Protocol's fan-outs -------------------------------------------------------
+    async def pause(self, interrupt: bool) -> None:
+        self._running.clear()
+        self._paused_with = interrupt
+        await self._fan_out(lambda a: a.pause.remote(interrupt))
+
+    async def resume(self) -> None:
+        self._paused_with = None
+        await self._fan_out(lambda a: a.resume.remote())
+        self._running.set()
+
+    async def sleep(self) -> None:
+        if self.sleeps:
+            self._sleeping = True
+            await self._fan_out(lambda a: a.sleep.remote())
+
+    async def wake_up(self) -> None:
+        if self.sleeps:
+            self._sleeping = False
+            await self._fan_out(lambda a: a.wake_up.remote())
+
+    async def update_weights(self, load: Callable[[Any], Awaitable[None]], version: int) -> None:
+        """Every replica runs `load(actor)` (it serves `version` after); a replica restarted
+        later runs the same `load`, so it catches up with the others."""
+        async with self._update:
+            await self._fan_out(load)
+            self._reload = load
+            self.version = version
+
+    async def load_weights(self, directory: Path, version: int) -> None:
+        """From a file every replica's node can read (RamFileTransport, one node)."""
+        await self.update_weights(lambda a: a.load_weights.remote(str(directory), version), version)
+
+    async def load_weights_object(self, ref: Any, version: int) -> None:
+        """From Ray's object store (ObjectStoreTransport): each replica's node pulls `ref`."""
+        await self.update_weights(lambda a: a.load_weights_object.remote(ref, version), version)
+
+    # ---- reporting -------------------------------------------------------------------
+    def pop_replica_metrics(self) -> dict[str, float]:
+        """Per replica, since the last call: generation speed while busy, requests, the most
+        in flight at once; restarts so far."""
+        out: dict[str, float] = {}
+        for i, meter in enumerate(self.replica_busy):
+            busy0, tokens0 = self._reported[i]
+            busy, tokens = meter.busy_s - busy0, meter.tokens - tokens0
+            self._reported[i] = (meter.busy_s, meter.tokens)
+            prefix = f"replica/{i}/"
+            out |= {prefix + "tokens": float(tokens), prefix + "requests": float(self._requests[i]),
+                    prefix + "in_flight_max": float(self._peak[i]),
+                    prefix + "restarts": float(self.restarts[i])}
+            if busy > 0.01:
+                out[prefix + "tokens_per_s"] = tokens / busy
+            self._requests[i] = 0
+            self._peak[i] = self.in_flight[i]
+        return out
+
+    def shutdown(self) -> None:
+        import ray
+
+        for task in self._recovering.values():
+            task.cancel()
+        refs = [a.shutdown.remote() for a, ok in zip(self.actors, self._healthy) if ok]
+        try:
+            ray.get(refs, timeout=60)
+        except Exception as e:  # a dead or stuck replica: killed below all the same
+            log.warning("rollout replica shutdown: %s", e)
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []

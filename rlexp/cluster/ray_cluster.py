@@ -1,0 +1,128 @@
+"""`cluster=ray`: the rollout engines as Ray actors placed by a placement group.
+
+    ray.init()                    a local Ray (cluster.address=null), stopped with the run
+    cluster.address=auto          join the Ray cluster this node belongs to (`ray start`)
+    cluster.address=ray://h:10001 join a remote cluster through Ray Client
+
+Placement (`placement=split|colocate`, one bundle per rollout replica):
+    split     each replica's actor takes its whole bundle (`cluster.cpus_per_replica` CPUs,
+              `rollout.gpus_per_replica` GPUs): the trainer trains on other devices, and the
+              async scheduler overlaps the two.
+    colocate  each replica's actor takes half of its bundle; the other half is the trainer's
+              share of the same devices. On GPU vLLM sleeps while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rlexp.cluster import engine_spec
+from rlexp.cluster.pool import EngineReplica, RolloutPool
+from rlexp.constraints import AtLeast0, AtLeast1, Placement, Positive
+from rlexp.errors import ConfigError, EngineDead
+from rlexp.protocols import WeightTransport
+from rlexp.sample import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class RayCluster:
+    name = "ray"
+
+    def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
+                 address: str | None = None, num_cpus: AtLeast1 | None = None,
+                 cpus_per_replica: Positive = 1.0, max_restarts: AtLeast0 = 3,
+                 ready_timeout_s: Positive = 600.0):
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        self.replicas, self.placement = replicas, placement
+        self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
+        self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            ray.init(address=address, num_cpus=num_cpus if address is None else None,
+                     include_dashboard=False, logging_level=logging.WARNING)
+        resources = ray.cluster_resources()
+        self.gpu = resources.get("GPU", 0) > 0
+        self.bundle = {"CPU": cpus_per_replica} | ({"GPU": gpus_per_replica} if self.gpu else {})
+        for kind, each in self.bundle.items():
+            if replicas * each > resources.get(kind, 0):
+                self.shutdown()
+                raise ConfigError(
+                    f"rollout.replicas={replicas} x {each:g} {kind} per replica do not fit in the Ray "
+                    f"cluster's {resources.get(kind, 0):g} {kind}s (cluster.cpus_per_replica, "
+                    f"rollout.gpus_per_replica, cluster.num_cpus)")
+        if placement == "colocate" and gpus_per_replica > 1:
+            self.shutdown()
+            raise ConfigError("placement=colocate shares each replica's GPU with the trainer: it needs "
+                              "rollout.gpus_per_replica=1")
+        self.pg = placement_group([dict(self.bundle) for _ in range(replicas)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except Exception as e:
+            self.shutdown()
+            raise ConfigError(f"the Ray cluster could not place {replicas} bundles of {self.bundle} "
+                              f"within {ready_timeout_s:g}s: {e}") from e
+        self.nodes = sorted(set(placement_group_table(self.pg)["bundles_to_node_id"].values()))
+        self.driver_node = ray.get_runtime_context().get_node_id()
+        self.multi_node = self.nodes != [self.driver_node]
+        self.pool: RolloutPool | None = None
+        log.info("ray: %s; %d rollout bundle(s) of %s on %d node(s), placement=%s",
+                 "started a local Ray" if self._owns_ray and address is None else f"joined {address}",
+                 replicas, self.bundle, len(self.nodes), placement)
+
+    def _actor_share(self) -> dict[str, float]:
+        """What one replica's actor takes of its bundle."""
+        share = 0.5 if self.placement == "colocate" else 1.0
+        return {"num_cpus": self.cpus_per_replica * share,
+                "num_gpus": self.gpus_per_replica * share if self.gpu else 0}
+
+    def rollout_engine(self, rollout: DictConfig, model_path: str, transport: WeightTransport) -> RolloutPool:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        spec = engine_spec(rollout, transport)
+        sleeps = self.gpu and self.placement == "colocate" and "enable_sleep_mode" in spec
+        if sleeps:
+            spec["enable_sleep_mode"] = True
+        actor: Any = ray.remote(EngineReplica)
+        actors: list[Any] = [actor.options(
+            **self._actor_share(), max_restarts=self.max_restarts, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+        ).remote(spec, model_path) for i in range(self.replicas)]
+        try:
+            infos = ray.get([a.ready.remote() for a in actors], timeout=self.ready_timeout_s)
+        except Exception as e:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise EngineDead(f"a rollout replica failed to start: {e}") from e
+        log.info("ray: %d rollout replica(s) up (pids %s)", len(actors), [pid for _, pid, _ in infos])
+        sampling = SamplingConfig(spec.get("temperature", 1.0), spec.get("top_p", 1.0),
+                                  spec.get("max_response_tokens", 16), spec.get("seed"))
+        self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps)
+        return self.pool
+
+    def params(self) -> dict[str, Any]:
+        import ray
+
+        resources = ray.cluster_resources()
+        return {"cluster.nodes": len(self.nodes), "cluster.gpus": int(resources.get("GPU", 0)),
+                "cluster.cpus": resources.get("CPU", 0), "cluster.rollout_bundle": str(self.bundle),
+                "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0))}
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.__dict__.get("pool") is not None:
+            self.pool.shutdown()  # type: ignore[union-attr]
+            self.pool = None
+        if self.__dict__.get("pg") is not None and ray.is_initialized():
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
