@@ -160,7 +160,11 @@ class RolloutPool:
                 ray.cancel(ref)
                 raise
             except Exception as e:
-                if not _lost(e):
+                if isinstance(e, EngineDead):  # the replica's vLLM process died: restart the replica
+                    import ray
+
+                    ray.kill(self.actors[i], no_restart=False)
+                elif not _lost(e):
                     raise
                 log.warning("rollout replica %d lost (%s); retrying its request on another", i,
                             type(e).__name__)
@@ -216,8 +220,11 @@ class RolloutPool:
                     await self.actors[i].pause.remote(self._paused_with)
                 self.restarts[i] += 1
                 self._healthy[i] = True
-            log.warning("rollout replica %d restarted by Ray and loaded policy version %d (%.1fs)",
-                        i, self.version, time.time() - t0)
+                _, _, version = await self.actors[i].ready.remote()
+            # A transport that keeps no copy of the weights (vLLM's NCCL / IPC) leaves it at
+            # version 0 until the next sync; its tokens say so.
+            log.warning("rollout replica %d restarted by Ray; serves policy version %d (%.1fs)",
+                        i, version, time.time() - t0)
         except ActorDiedError as e:
             log.error("rollout replica %d is gone for good: %s", i, e)
         finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from rlexp.cluster import engine_spec
@@ -24,6 +25,7 @@ from rlexp.cluster.pool import EngineReplica, RolloutPool
 from rlexp.constraints import AtLeast0, AtLeast1, Placement, Positive
 from rlexp.errors import ConfigError, EngineDead
 from rlexp.protocols import WeightTransport
+from rlexp.rollout import reaper
 from rlexp.sample import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,23 @@ class RayCluster:
         self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
         self._owns_ray = not ray.is_initialized()
+        self._reaper = None
+        num_gpus = None
+        if address is None and placement == "split" and torch.cuda.device_count() > 0:
+            # A local Ray gets every GPU but the last, which the trainer (this process) trains on.
+            if torch.cuda.device_count() < 2:
+                raise ConfigError("placement=split puts rollout and trainer on separate GPUs: this "
+                                  "machine has 1; use placement=colocate")
+            num_gpus = torch.cuda.device_count() - 1
+            torch.cuda.set_device(num_gpus)
         if self._owns_ray:
-            ray.init(address=address, num_cpus=num_cpus if address is None else None,
+            before = reaper.snapshot()
+            ray.init(address=address, num_cpus=num_cpus if address is None else None, num_gpus=num_gpus,
                      include_dashboard=False, logging_level=logging.WARNING)
+            # A local Ray's GCS and raylet die with this process, but its dashboard and
+            # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
+            # down every process ray.init started (the actors go with their raylet).
+            self._reaper = reaper.start(before)
         resources = ray.cluster_resources()
         self.gpu = resources.get("GPU", 0) > 0
         self.bundle = {"CPU": cpus_per_replica} | ({"GPU": gpus_per_replica} if self.gpu else {})
@@ -56,10 +72,11 @@ class RayCluster:
                     f"rollout.replicas={replicas} x {each:g} {kind} per replica do not fit in the Ray "
                     f"cluster's {resources.get(kind, 0):g} {kind}s (cluster.cpus_per_replica, "
                     f"rollout.gpus_per_replica, cluster.num_cpus)")
-        if placement == "colocate" and gpus_per_replica > 1:
-            self.shutdown()
-            raise ConfigError("placement=colocate shares each replica's GPU with the trainer: it needs "
-                              "rollout.gpus_per_replica=1")
+        if placement == "colocate" and self.gpu and (gpus_per_replica > 1 or replicas > 1):
+            self.shutdown()  # CUDA IPC handles open on the trainer's GPU only
+            raise ConfigError("placement=colocate shares the trainer's GPU with the rollout replica: it "
+                              "needs rollout.replicas=1 and rollout.gpus_per_replica=1 (until the trainer "
+                              "runs as Ray actors beside each replica)")
         self.pg = placement_group([dict(self.bundle) for _ in range(replicas)], strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
@@ -126,3 +143,4 @@ class RayCluster:
             self.pg = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        reaper.stop(self.__dict__.pop("_reaper", None))

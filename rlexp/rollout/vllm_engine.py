@@ -224,6 +224,32 @@ class VLLMEngine:
             await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         self.version = version
 
+    # vLLM's native weight transfer (rlexp/rollout/vllm_ipc.py, vllm_nccl.py): the engine's side of
+    # it, called by name by the trainer's side (through EngineReplica.call_engine under cluster=ray).
+    def workers(self) -> int:
+        """vLLM's worker processes (tensor x pipeline parallel): each joins an NCCL transfer group."""
+        return self.llm.vllm_config.parallel_config.world_size
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        with self._engine_alive():
+            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self) -> None:
+        with self._engine_alive():
+            await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        with self._engine_alive():
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self) -> None:
+        with self._engine_alive():
+            await self.llm.finish_weight_update()
+
     async def sleep(self) -> None:
         if self.sleeps:
             await self.llm.sleep(level=1)

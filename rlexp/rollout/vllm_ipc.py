@@ -1,20 +1,40 @@
-"""GPU: vLLM's native weight transfer over CUDA IPC (`weight_transfer=vllm_ipc`).
+"""GPU: vLLM's native weight transfer over CUDA IPC (`weight_transfer=vllm_ipc`), and what it
+shares with the NCCL one (rlexp/rollout/vllm_nccl.py).
 
-The trainer's tensors stay where they are: vLLM's trainer-side IPC engine hands the
-engine's workers CUDA IPC handles of them, and each worker copies them into its own
-weights (one device-to-device copy, vLLM's checkpoint-format loading). vLLM's protocol is
-synchronous (a `VLLMWeightSyncClient`), so the send runs in a thread and each call to the
-in-process `AsyncLLM` is put back on the event loop."""
+The trainer's tensors stay where they are: vLLM's trainer-side IPC engine hands the engine's
+workers CUDA IPC handles of them, and each worker copies them into its own weights (one
+device-to-device copy, vLLM's checkpoint-format loading). A handle opens only on the GPU it
+was made on, so every engine must share the trainer's GPU (placement=colocate; a replica on
+another GPU fails with vLLM's "IPC handle not found for GPU UUID").
+
+The engine is a local VLLMEngine or a RolloutPool (cluster=ray). vLLM's trainer side is
+synchronous (it drives a `VLLMWeightSyncClient`), so each send runs in a thread and each call
+it makes is put back on the event loop: to the VLLMEngine's methods, or to a replica's through
+`EngineReplica.call_engine`. Each engine process gets its own trainer-side vLLM engine (a
+"sender"), connected at its first sync and again when the process changes (Ray restarted the
+replica); a pool fans one full update out to every replica, one replica at a time.
+
+A replica that Ray restarts starts from the model path, i.e. policy version 0. The pool
+replays the last sync for it, but these transports hold no copy of the weights they sent: the
+trainer's tensors have moved on since (it may be training right now). So the replay sends
+nothing; the replica serves version 0 (its tokens say so, and the scheduler counts their
+staleness) until the next sync, which reconnects and updates it like the others."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from rlexp.protocols import NamedTensors
+
+log = logging.getLogger(__name__)
 
 
 class _NamedTensors:
@@ -42,63 +62,138 @@ def _source(weights: NamedTensors):
     return Source(weights)
 
 
-class _LoopClient:
-    """`VLLMWeightSyncClient` over an in-process AsyncLLM, called from a worker thread."""
+def _on_weights_gpu(source: _NamedTensors) -> contextlib.AbstractContextManager:
+    """vLLM's trainer side works on the current CUDA device, which is per thread (a fresh
+    thread's is cuda:0): make it the device the weights are on."""
+    device = source.tensors[0][1].device if source.tensors else torch.device("cpu")
+    if device.type != "cuda":
+        raise RuntimeError(f"vLLM's native weight transfer sends from the trainer's GPU; its weights are "
+                           f"on {device}")
+    return torch.cuda.device(device)
 
-    def __init__(self, llm, loop: asyncio.AbstractEventLoop):
-        self.llm, self.loop = llm, loop
 
-    def _call(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+class EngineClient:
+    """vLLM's `VLLMWeightSyncClient`, called from the sending thread, over one engine:
+    `call(method, *args)` (run on the event loop) calls that method of the engine."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, call: Callable[..., Any]):
+        self.loop, self._call = loop, call
+        self.abort: Callable[[], None] | None = None  # tears the sender down if the engine fails
+        self.failed: BaseException | None = None
+
+    def call(self, method: str, *args: Any) -> Any:
+        async def run():
+            result = self._call(method, *args)
+            return await result if inspect.isawaitable(result) else result
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        self._call(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
+        self.call("init_weight_transfer_engine", init_info)
 
     def start_weight_update(self) -> None:
-        self._call(self.llm.start_weight_update())
+        self.call("start_weight_update")
 
-    def update_weights(self, update_info) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._call(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
+    def update_weights(self, update_info: Any) -> None:
+        try:
+            self.call("update_weights", update_info)
+        except BaseException as e:
+            # NCCL: the trainer's side of the broadcast would wait forever for a peer that
+            # failed (or died); aborting the communicator releases it.
+            self.failed = e
+            if self.abort is not None:
+                self.abort()
+            raise
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call(self.llm.finish_weight_update(weight_version))
+        self.call("finish_weight_update")
 
 
-class VllmIpcTransport:
-    """Needs CUDA and an engine started with `weight_transfer_backend: ipc` (the
+class NativeTransport:
+    """The part the IPC and NCCL transports share (see the module docstring); a subclass
+    names its `engine_backend` and connects a sender to one engine (`_connect`)."""
+
+    engine_backend: str  # the engine side of the transfer (rollout.weight_transfer_backend)
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"weight_transfer=vllm_{self.engine_backend} needs CUDA; on CPU use "
+                               "weight_transfer=ram_file")
+        self._senders: dict[Any, tuple[Any, Any]] = {}  # engine -> (its process, sender)
+        self._lock = threading.Lock()  # one send at a time: bounded staging memory on the GPU
+
+    def _connect(self, client: EngineClient, source: Any) -> Any:
+        raise NotImplementedError
+
+    def _send(self, key: Any, process: Any, client: EngineClient, source: Any) -> None:
+        """In a thread: one full update of one engine (`key`), connecting to it first if it is
+        new or its `process` changed."""
+        with self._lock, _on_weights_gpu(source):
+            held = self._senders.pop(key, None)
+            if held is not None and held[0] != process:
+                held[1].shutdown()
+                held = None
+            sender = held[1] if held is not None else self._connect(client, source)
+            sender.client, sender.source = client, source
+            client.abort = sender.shutdown
+            try:
+                sender.send_weights()
+            except BaseException as e:
+                sender.shutdown()  # not kept: the next sync connects again
+                if client.failed is not None and client.failed is not e:
+                    raise client.failed from e  # the engine's error, not the aborted send's
+                raise
+            self._senders[key] = (process, sender)
+
+    async def transfer(self, weights: NamedTensors, engine: Any, version: int) -> None:
+        from rlexp.cluster.pool import RolloutPool
+
+        source = _source(weights)
+        loop = asyncio.get_running_loop()
+        if not isinstance(engine, RolloutPool):
+            client = EngineClient(loop, lambda method, *args: getattr(engine, method)(*args))
+            await asyncio.to_thread(self._send, engine, None, client, source)
+            await engine.weights_loaded(version)
+            return
+
+        current = True
+
+        async def load(actor: Any) -> None:
+            if not current:  # the pool replaying this sync for a restarted replica
+                log.warning("a restarted rollout replica keeps the model's initial weights (version 0) "
+                            "until the next weight sync: vLLM's %s transfer cannot resend version %d",
+                            self.engine_backend, version)
+                return
+            node, pid, _ = await actor.ready.remote()
+            client = EngineClient(loop, lambda method, *args: actor.call_engine.remote(method, *args))
+            await asyncio.to_thread(self._send, actor, (node, pid), client, source)
+            await actor.call_engine.remote("weights_loaded", version)
+
+        try:
+            await engine.update_weights(load, version)
+        finally:
+            current = False
+
+    def close(self) -> None:
+        for _, sender in self._senders.values():
+            sender.shutdown()
+        self._senders.clear()
+
+
+class VllmIpcTransport(NativeTransport):
+    """Needs CUDA and engines started with `weight_transfer_backend: ipc` (the
     `weight_transfer=vllm_ipc` config sets both). `packed`: send through one bounded
     staging buffer instead of a handle per tensor (less memory, one more copy)."""
 
-    engine_backend = "ipc"  # the engine side of the transfer (rollout.weight_transfer_backend)
+    engine_backend = "ipc"
 
     def __init__(self, packed: bool = False):
-        if not torch.cuda.is_available():
-            raise RuntimeError("weight_transfer=vllm_ipc needs CUDA; on CPU use weight_transfer=ram_file")
+        super().__init__()
         self.packed = packed
-        self._sender: Any = None
 
-    async def transfer(self, weights: NamedTensors, engine, version: int) -> None:
+    def _connect(self, client: EngineClient, source: Any) -> Any:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        source = _source(weights)
-        client = _LoopClient(engine.llm, asyncio.get_running_loop())
-
-        def send() -> None:
-            if self._sender is None:
-                self._sender = WeightTransferTrainerFactory.trainer_init(
-                    IPCTrainerInitInfo(rank=0, packed=self.packed), client=client, source=source)
-            self._sender.client, self._sender.source = client, source
-            self._sender.send_weights()
-
-        await asyncio.to_thread(send)
-        await engine.weights_loaded(version)
-
-    def close(self) -> None:
-        if self._sender is not None:
-            self._sender.shutdown()
-            self._sender = None
+        return WeightTransferTrainerFactory.trainer_init(
+            IPCTrainerInitInfo(rank=0, packed=self.packed), client=client, source=source)

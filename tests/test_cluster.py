@@ -1,0 +1,267 @@
+"""cluster=ray: the RolloutPool's routing, fan-out and fault handling (fake replicas), then
+a real local Ray with two vLLM replicas of the tiny model: weights reach every replica,
+a SIGKILLed replica is restarted with the current weights while its requests finish
+elsewhere."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rlexp.errors import EngineDead
+from rlexp.rollout.accounting import conversation, generated_tokens
+from rlexp.sample import Generation, SamplingConfig
+from tests.test_engines import TEMPERATURE, _max_logprob_diff, _prompts, _trainer
+
+ray = pytest.importorskip("ray")
+from ray.exceptions import ActorDiedError, ActorUnavailableError  # noqa: E402
+
+from rlexp.cluster.pool import RolloutPool  # noqa: E402
+
+SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class FakeReplica:
+    """An EngineReplica handle: every method answers `.remote(...)` with an awaitable."""
+
+    def __init__(self, index: int):
+        self.index, self.version, self.loads, self.paused = index, 0, [], None
+        self.dead = False  # True: calls raise as a dead Ray actor's do
+        self.restarting = True  # while dead: Ray brings it back
+        self.gate = asyncio.Event()
+        self.gate.set()
+        for name in ("generate", "ready", "pause", "resume", "load_weights", "sleep", "wake_up"):
+            setattr(self, name, _Remote(getattr(self, "_" + name)))
+
+    def _check(self):
+        if self.dead:
+            raise ActorDiedError()
+
+    async def _generate(self, ids, sampling):
+        self._check()
+        await self.gate.wait()
+        self._check()
+        return Generation([self.index] * 3, [-0.5] * 3, "length", [self.version] * 3)
+
+    async def _ready(self):
+        if self.dead and self.restarting:
+            raise ActorUnavailableError("restarting", None)
+        self._check()
+        return "node", os.getpid(), self.version
+
+    async def _pause(self, interrupt):
+        self._check()
+        self.paused = interrupt
+
+    async def _resume(self):
+        self._check()
+        self.paused = None
+
+    async def _load_weights(self, directory, version):
+        self._check()
+        self.loads.append(version)
+        self.version = version
+
+    async def _sleep(self):
+        pass
+
+    async def _wake_up(self):
+        pass
+
+
+class _Conversation:
+    """Any object that lives as long as the conversation (a sample, a chat session)."""
+
+
+def _pool(n=2):
+    actors = [FakeReplica(i) for i in range(n)]
+    return RolloutPool(actors, SAMPLING, 64), actors
+
+
+def test_requests_go_to_the_least_loaded_replica_and_a_conversation_stays_on_one():
+    async def main():
+        pool, (a, b) = _pool()
+        a.gate.clear()  # replica 0 holds its requests
+        b.gate.clear()
+        first = [asyncio.create_task(pool.generate([1], SAMPLING)) for _ in range(4)]
+        await asyncio.sleep(0)
+        assert pool.in_flight == [2, 2]  # spread, not all on the first replica
+
+        async def session():  # one conversation: every turn on the replica of its first turn
+            conversation.set(_Conversation())
+            return [(await pool.generate([1], SAMPLING)).token_ids[0] for _ in range(3)]
+
+        a.gate.set()
+        b.gate.set()
+        await asyncio.gather(*first)
+        turns = await asyncio.gather(*(session() for _ in range(6)))
+        assert all(len(set(t)) == 1 for t in turns)  # each session on one replica...
+        assert {t[0] for t in turns} == {0, 1}  # ...and sessions on both
+
+    asyncio.run(main())
+
+
+def test_tokens_are_counted_from_the_generations_that_come_back():
+    async def main():
+        pool, _ = _pool()
+        meter = [0]
+        generated_tokens.set(meter)
+        await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(5)))
+        assert meter == [15] and pool.busy.tokens == 15
+        m = pool.pop_replica_metrics()
+        assert m["replica/0/tokens"] + m["replica/1/tokens"] == 15
+        assert m["replica/0/requests"] + m["replica/1/requests"] == 5
+
+    asyncio.run(main())
+
+
+def test_a_lost_replica_is_retried_elsewhere_then_restarted_with_the_current_weights():
+    async def main():
+        pool, (a, b) = _pool()
+        await pool.load_weights("/dir", 4)
+        assert a.version == b.version == pool.version == 4
+        a.dead = True  # Ray is restarting it
+        gens = await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(4)))
+        assert {g.token_ids[0] for g in gens} == {1}  # all served by the live replica
+        assert pool._healthy == [False, True]
+        await pool.pause(interrupt=True)  # fan-outs skip it meanwhile
+        a.version, a.dead = 0, False  # back, with the model path's weights
+        await asyncio.wait(list(pool._recovering.values()))
+        assert pool._healthy == [True, True] and pool.restarts == [1, 0]
+        assert a.version == 4 and a.loads == [4, 4]  # caught up with the pool
+        assert a.paused is True  # and joined the pause in effect
+        await pool.resume()
+        assert a.paused is None and b.paused is None
+
+    asyncio.run(main())
+
+
+def test_with_every_replica_gone_for_good_the_run_stops():
+    async def main():
+        pool, actors = _pool()
+        for r in actors:
+            r.dead, r.restarting = True, False  # and never comes back: its restarts are exhausted
+        with pytest.raises(EngineDead, match="every rollout replica died"):
+            await pool.generate([1], SAMPLING)
+
+    asyncio.run(main())
+
+
+# ---- a real local Ray: two vLLM replicas of the tiny model ------------------------------------
+@pytest.fixture(scope="module")
+def ray_pool(tiny_model_path):
+    from omegaconf import OmegaConf
+
+    from rlexp.cluster.ray_cluster import RayCluster
+    from rlexp.rollout.weights import RamFileTransport
+
+    cluster = RayCluster(replicas=2, max_restarts=2)
+    rollout = OmegaConf.create({"_target_": "rlexp.rollout.vllm_engine.VLLMEngine", "seed": 0,
+                                "max_model_len": 256, "kv_cache_gb": 0.25, "max_num_seqs": 32,
+                                "weight_transfer_backend": None, "replicas": 2, "gpus_per_replica": 1})
+    try:
+        cluster.rollout_engine(rollout, tiny_model_path, RamFileTransport)
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _fresh(cluster) -> RolloutPool:
+    """A pool over the cluster's replicas for this test's event loop."""
+    old = cluster.pool
+    return RolloutPool(old.actors, old.sampling, old.max_model_len)
+
+
+async def _per_replica(pool, prompts, sampling):
+    return [await asyncio.gather(*(a.generate.remote(p, sampling) for p in prompts)) for a in pool.actors]
+
+
+def _replica_check(pool, trainer, tokenizer, transport, version):
+    """Move the trainer's weights, publish them through `transport`, and return, per replica,
+    its generations and their largest logprob difference from the trainer's."""
+    prompts = _prompts(tokenizer)
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=12, seed=5)
+
+    async def main():
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        stale = await _per_replica(pool, prompts, sampling)
+        assert min(_max_logprob_diff(trainer, prompts, g) for g in stale) > 1e-3  # tells weights apart
+        try:
+            await transport.transfer(trainer.weights(), pool, version)
+        finally:
+            transport.close()
+        gens = await _per_replica(pool, prompts, sampling)
+        return gens, [_max_logprob_diff(trainer, prompts, g) for g in gens]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.parametrize("path", ["ram_file", "object_store"])
+def test_after_a_weight_update_every_replica_returns_the_trainers_logprobs(ray_pool, tiny_model_path,
+                                                                          tokenizer, path):
+    from rlexp.cluster.transports import ObjectStoreTransport
+    from rlexp.rollout.weights import RamFileTransport
+
+    transport = RamFileTransport() if path == "ram_file" else ObjectStoreTransport()
+    pool = _fresh(ray_pool)
+    version = 3 if path == "ram_file" else 4
+    gens, diffs = _replica_check(pool, _trainer(tiny_model_path), tokenizer, transport, version)
+    print(f"{path}: max |logprob(replica) - logprob(trainer)| per replica: {diffs}")
+    assert max(diffs) < 1e-5, diffs
+    assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]  # per-request seeds
+    assert all(g.versions == [version] * len(g.token_ids) for r in gens for g in r)
+    assert pool.version == version
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tiny_model_path, tokenizer):
+    from rlexp.rollout.weights import RamFileTransport
+
+    pool = _fresh(ray_pool)
+    trainer = _trainer(tiny_model_path)
+    transport = RamFileTransport()
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_tokens=64, seed=1)
+    prompts = _prompts(tokenizer) * 20
+
+    async def main():
+        await transport.transfer(trainer.weights(), pool, 7)
+        _, pid, version = await pool.actors[0].ready.remote()
+        assert version == 7
+        tasks = [asyncio.create_task(pool.generate(p, sampling)) for p in prompts]
+        await asyncio.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)  # the replica's actor process, mid-generation
+        gens = await asyncio.gather(*tasks)  # every request finishes, on the other replica
+        assert all(g.versions == [7] * len(g.token_ids) for g in gens)
+        t0 = time.time()
+        while not pool._healthy[0]:
+            assert time.time() - t0 < 300, "the replica was not restarted"
+            await asyncio.sleep(0.5)
+        _, new_pid, version = await pool.actors[0].ready.remote()
+        assert new_pid != pid and version == 7 and pool.restarts == [1, 0]
+        # the restarted replica serves the trainer's weights, not the model path's
+        gens = await _per_replica(pool, _prompts(tokenizer), SamplingConfig(TEMPERATURE, 1.0, 12, 5))
+        return [_max_logprob_diff(trainer, _prompts(tokenizer), g) for g in gens]
+
+    try:
+        diffs = asyncio.run(main())
+    finally:
+        transport.close()
+    print("after the restart, max |logprob diff| per replica:", diffs)
+    assert max(diffs) < 1e-5, diffs
