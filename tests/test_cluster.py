@@ -245,9 +245,11 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
         _, pid, version = await pool.actors[0].ready.remote()
         assert version == 7
         tasks = [asyncio.create_task(pool.generate(p, sampling)) for p in prompts]
-        await asyncio.sleep(0.3)
+        while not pool.in_flight[0]:
+            await asyncio.sleep(0)
         os.kill(pid, signal.SIGKILL)  # the replica's actor process, mid-generation
         gens = await asyncio.gather(*tasks)  # every request finishes, on the other replica
+        assert not pool._healthy[0]  # the pool saw the replica die
         assert all(g.versions == [7] * len(g.token_ids) for g in gens)
         t0 = time.time()
         while not pool._healthy[0]:

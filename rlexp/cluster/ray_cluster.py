@@ -56,8 +56,11 @@ class RayCluster:
             torch.cuda.set_device(num_gpus)
         if self._owns_ray:
             before = reaper.snapshot()
-            ray.init(address=address, num_cpus=num_cpus if address is None else None, num_gpus=num_gpus,
-                     include_dashboard=False, logging_level=logging.WARNING)
+            # "local": a new Ray for this run even where RAY_ADDRESS or a `ray start` says otherwise
+            own = address is None
+            ray.init(address=address or "local", num_cpus=num_cpus if own else None,
+                     num_gpus=num_gpus if own else None, include_dashboard=False,
+                     logging_level=logging.WARNING)
             # A local Ray's GCS and raylet die with this process, but its dashboard and
             # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
             # down every process ray.init started (the actors go with their raylet).

@@ -1,0 +1,85 @@
+"""Whole runs with cluster=ray (a local Ray, two vLLM replicas of the tiny model) against
+cluster=local: the same training, per-replica metrics in MLflow, a multi-turn async run,
+and a SIGKILLed driver that leaves no process behind and resumes under cluster=ray."""
+
+import signal
+import sys
+
+import psutil
+import pytest
+
+from tests.test_resume import _finish, _resume_cmd, _run, _start, _steps, _wait_for
+from tests.test_run import _history, _traces
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+RAY = ("cluster=ray", "rollout.replicas=2")
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _cmd(store, run_dir, models, *overrides):
+    return [sys.executable, "-m", "rlexp.run", "experiment=smoke", "checkpoint.every_n_steps=0",
+            f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
+            "logger.experiment_name=test", f"model.cache_dir={models}",
+            # a model that gets some answers right: rewards vary, updates are real
+            "model.warm_start_steps=200", "model.warm_start_lr=0.002", "data.source.max_operand=29",
+            f"hydra.run.dir={run_dir}", *overrides]
+
+
+def _open(tmp_path, models, *overrides, steps=STEPS):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _finish(_cmd(tmp_path, tmp_path / "out", models, f"trainer.total_steps={steps}", *overrides),
+            tmp_path / "run.log")
+    return _run(tmp_path)
+
+
+def test_two_replicas_train_like_one_engine(tmp_path, models):
+    """Sync scheduler, same seed: per-request seeds make the replica that served a request
+    irrelevant, so step 1 trains the same tokens with the same logprobs."""
+    local = _open(tmp_path / "local", models)
+    ray = _open(tmp_path / "ray", models, *RAY)
+    a, b = _traces(*local, 1), _traces(*ray, 1)
+    assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+    diff = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra["logprobs"], rb["logprobs"]))
+    print(f"step 1: max |logprob(local) - logprob(ray)| = {diff:.2e} (traces round to 1e-6)")
+    assert diff <= 2e-6
+    for key in ("train/loss", "train/grad_norm", "rollout/reward_mean", "eval/accuracy"):
+        la, lb = _history(*local, key), _history(*ray, key)
+        equal = next((i for i, (x, y) in enumerate(zip(la, lb)) if abs(x - y) > 1e-6), len(la))
+        print(f"{key}: local {[f'{x:.5f}' for x in la]}\n{' ' * len(key)}  ray   "
+              f"{[f'{x:.5f}' for x in lb]}  (equal for the first {equal} values)")
+    assert _history(*local, "train/loss")[0] == pytest.approx(_history(*ray, "train/loss")[0], abs=1e-6)
+    client, run = ray
+    assert run.data.params["cluster.nodes"] == "1" and run.data.params["rollout.replicas"] == "2"
+    assert run.data.params["placement"] == "split"
+    for i in (0, 1):  # both replicas served requests; each one's speed and restarts logged per step
+        assert _steps(client, run, f"replica/{i}/requests") == list(range(1, STEPS + 1))
+        assert sum(_history(client, run, f"replica/{i}/requests")) > 0
+        assert _history(client, run, f"replica/{i}/restarts") == [0.0] * STEPS
+        assert min(_history(client, run, f"replica/{i}/tokens_per_s")) > 0
+
+
+def test_a_sigkilled_multiturn_async_run_leaves_no_process_and_resumes_under_ray(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    cmd = _cmd(store, run_dir, models, "agent=multiturn", "judge=multiturn", "scheduler=async",
+               "trainer.total_steps=3", "checkpoint.every_n_steps=1", *RAY)
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        _wait_for(run_dir / "checkpoints" / "step_1" / "meta.json", proc)
+        started = psutil.Process(proc.pid).children(recursive=True)  # Ray's, the replicas', vLLM's
+        names = {" ".join(p.cmdline())[:30] for p in started}
+        assert any("ray::EngineReplica" in n for n in names) and any("VLLM" in n for n in names), names
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    _finish(_resume_cmd(run_dir), log)
+    client, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(client, run, "train/loss") == [1, 2, 3]  # each step once
+    assert sum(_history(client, run, "replica/1/requests")) > 0
+    assert log.read_text().count("ray: started a local Ray") == 2  # the killed run's, the resumed one's
