@@ -2,13 +2,16 @@
 cluster=local: the same training, per-replica metrics in MLflow, a multi-turn async run,
 and a SIGKILLed driver that leaves no process behind and resumes under cluster=ray."""
 
+import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.test_resume import _finish, _resume_cmd, _run, _start, _steps, _wait_for
+from tests.test_resume import _resume_cmd, _run, _start, _steps, _wait_for
 from tests.test_run import _history, _traces
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
@@ -28,6 +31,20 @@ def _cmd(store, run_dir, models, *overrides):
             # a model that gets some answers right: rewards vary, updates are real
             "model.warm_start_steps=200", "model.warm_start_lr=0.002", "data.source.max_operand=29",
             f"hydra.run.dir={run_dir}", *overrides]
+
+
+def _finish(cmd, log, timeout=1200):
+    """Run `cmd` to completion; on a timeout its whole process group goes (no run left
+    competing with the next test)."""
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    assert rc == 0, Path(log).read_text()[-4000:]
 
 
 def _open(tmp_path, models, *overrides, steps=STEPS):
@@ -69,7 +86,11 @@ def test_a_sigkilled_multiturn_async_run_leaves_no_process_and_resumes_under_ray
                "trainer.total_steps=3", "checkpoint.every_n_steps=1", *RAY)
     with open(log, "a") as f:
         proc = _start(cmd, f)
-        _wait_for(run_dir / "checkpoints" / "step_1" / "meta.json", proc)
+        try:
+            _wait_for(run_dir / "checkpoints" / "step_1" / "meta.json", proc, timeout=1200)
+        except AssertionError:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         started = psutil.Process(proc.pid).children(recursive=True)  # Ray's, the replicas', vLLM's
         names = {" ".join(p.cmdline())[:30] for p in started}
         assert any("ray::EngineReplica" in n for n in names) and any("VLLM" in n for n in names), names
