@@ -40,4 +40,4 @@ class LocalCluster:
         return {"cluster.nodes": 1, "cluster.gpus": torch.cuda.device_count()}
 
     def shutdown(self) -> None:
-        pass
+        """Nothing to stop: the engine and transport are shut down by the loop."""

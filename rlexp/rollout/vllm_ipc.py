@@ -123,7 +123,8 @@ class NativeTransport:
         self._lock = threading.Lock()  # one send at a time: bounded staging memory on the GPU
 
     def _connect(self, client: EngineClient, source: Any) -> Any:
-        raise NotImplementedError
+        """vLLM's trainer-side sender for one engine: each subclass (IPC, NCCL) returns its own."""
+        raise NotImplementedError(f"{type(self).__name__} must define _connect")
 
     def _send(self, key: Any, process: Any, client: EngineClient, source: Any) -> None:
         """In a thread: one full update of one engine (`key`), connecting to it first if it is
