@@ -33,7 +33,7 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 _TORCH = {v: k for k, v in _DTYPES.items()}
 
 
-def save_safetensors(weights: NamedTensors, directory: Path) -> Path:
+def save_safetensors(weights: NamedTensors, directory: Path, filename: str = WEIGHTS_FILE) -> Path:
     """Write named tensors as one standalone safetensors file, atomically (checkpoints).
 
     Tied tensors (e.g. lm_head / embed_tokens) are cloned: safetensors refuses shared
@@ -47,9 +47,9 @@ def save_safetensors(weights: NamedTensors, directory: Path) -> Path:
             t = t.clone()
         seen.add(t.data_ptr())
         tensors[name] = t
-    tmp = directory / f".model.{os.getpid()}.tmp"
+    tmp = directory / f".{filename}.{os.getpid()}.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    final = directory / WEIGHTS_FILE
+    final = directory / filename
     tmp.replace(final)
     return final
 

@@ -3,7 +3,14 @@
 `fit(batch, version)` = advantages -> the trained samples as one TokenBatch (padded tensors,
 built once) -> proximal logprobs (the rollout's, or recomputed) -> reference logprobs (only
 when the loss or this step's `train/kl` needs them) -> forward/backward per micro-batch ->
-optimizer step; metrics stay tensors until one host transfer at the end."""
+optimizer step; metrics stay tensors until one host transfer at the end.
+
+Distributed (a torch.distributed group is initialised, rlexp/trainer/distributed.py): every
+rank gets the whole batch, shards the model with FSDP2 and trains its token-balanced share
+of each minibatch's rows. The loss is divided by the minibatch's GLOBAL trained-token count
+and gradients are summed over ranks, so the update equals one worker's on the same batch.
+Ranks run equally many micro-batches (FSDP's collectives pair up): a rank with fewer pads
+with a masked-out one. Metrics are summed (maxima: maxed) over ranks before logging."""
 
 from __future__ import annotations
 
@@ -12,8 +19,9 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import torch
 from annotated_types import Ge
@@ -24,7 +32,9 @@ from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
+from rlexp.trainer import distributed
 from rlexp.trainer.advantages import group_advantages
+from rlexp.trainer.lora import ADAPTER_FILE, add_adapters, check_spec, is_adapter, merged_weights
 from rlexp.trainer.losses import clipped_pg_loss, k3_kl, truncated_is_pg_loss
 from rlexp.trainer.token_batch import TokenBatch
 
@@ -48,6 +58,9 @@ def lr_factor(schedule: LrSchedule, warmup_steps: int, total_steps: int) -> Call
         return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+Piece = tuple[torch.Tensor, int, bool]  # rows, padded width, real (False: a masked-out filler)
 
 
 class GRPOTrainer:
@@ -74,15 +87,39 @@ class GRPOTrainer:
         minibatches_per_step: AtLeast1 = 1,
         micro_batch_tokens: AtLeast1 = 8192,
         dtype: Dtype = "float32",
+        workers: AtLeast1 = 1,
+        gradient_checkpointing: bool = False,
+        mixed_precision: Literal["none", "bfloat16"] = "none",
+        lora: dict | None = None,
     ):
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path,
-                                                          dtype=getattr(torch, resolve_dtype(dtype)))
-        self.model.to(self.device).train()  # type: ignore[arg-type]  # transformers' stub for .to
+        self.rank, self.world = distributed.rank_world()
+        if workers != self.world:
+            raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
+                             "several workers run as a Ray trainer group (cluster=ray)")
+        if mixed_precision != "none" and not distributed.sharded():
+            raise ValueError("trainer.mixed_precision is FSDP2's: it needs a torch.distributed group")
+        self.device = distributed.device()
+        torch_dtype = getattr(torch, resolve_dtype(dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+        spec |= dict(lora or {})
+        check_spec(spec["rank"], spec["alpha"], spec["target_modules"])
+        self.lora_scaling = spec["alpha"] / spec["rank"] if spec["rank"] else None
+        if self.lora_scaling:  # the reference policy is then the model with its adapters off
+            model = add_adapters(model, spec["rank"], spec["alpha"], spec["target_modules"])
+        model.to(self.device).train()
+        self.model = model
+        self.has_ref = kl_coef > 0 or ref_kl_every_n_steps > 0
         self.ref = None
-        if kl_coef > 0 or ref_kl_every_n_steps > 0:
+        if self.has_ref and not self.lora_scaling:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = optimizer(self.model.parameters())
+        if distributed.sharded():
+            for m in (self.model, self.ref):
+                if m is not None:
+                    distributed.shard(m, None if mixed_precision == "none" else mixed_precision)
+        self.optimizer = optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
@@ -105,7 +142,10 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def compute_ref_logprobs(self, batch: list[Sample]) -> list[torch.Tensor] | None:
-        return None if self.ref is None else self._per_sample(self.ref, batch)
+        if not self.has_ref:
+            return None
+        with self._reference() as ref:
+            return self._per_sample(ref, batch)
 
     def compute_advantages(self, batch: list[Sample]) -> torch.Tensor:
         """Over each group's completed samples; a failed sample (never trained) gets 0 and
@@ -116,6 +156,9 @@ class GRPOTrainer:
         return group_advantages(rewards, groups, self.norm_adv_by_std)
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        """Every rank calls it with the whole batch."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         adv = self.compute_advantages(batch)
         # Every group's rewards equal and no KL/entropy term: the gradient is zero. An optimizer
         # step would still move the weights on Adam's momentum from earlier steps, so skip it
@@ -129,6 +172,7 @@ class GRPOTrainer:
         metrics["train/skipped_step"] = float(no_signal)
         metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics[f"memory/rank_{self.rank}/peak_mb"] = distributed.peak_memory_mb(self.device)
         # One schedule step per fit (per RL step), on purpose also when a no-signal step skipped
         # the update: PyTorch's warning about that order does not apply.
         with warnings.catch_warnings():
@@ -137,18 +181,42 @@ class GRPOTrainer:
         return metrics
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.model.state_dict().items()
+        """The policy's full tensors one at a time (when sharded, each is gathered as it is
+        reached: every rank must iterate); with LoRA, the adapted weights merged."""
+        named = ((name, distributed.full_tensor(t)) for name, t in self.model.state_dict().items())
+        yield from merged_weights(named, self.lora_scaling) if self.lora_scaling else named
 
     def save(self, directory: Path) -> None:
-        """`model.safetensors` (the policy) and `trainer.pt` (optimizer, lr schedule)."""
-        save_safetensors(self.weights(), directory)
-        torch.save({"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict()},
-                   directory / "trainer.pt")
+        """`model.safetensors` (the policy, merged with LoRA), `adapter.safetensors` (LoRA's
+        trained tensors) and `trainer.pt` (optimizer by parameter name, lr schedule); all
+        whole, written by rank 0, so any number of workers can load them. Every rank calls it."""
+        weights = self.weights()
+        if self.rank == 0:
+            save_safetensors(weights, directory)
+        else:
+            for _ in weights:  # the gathers are collectives
+                pass
+        if self.lora_scaling:
+            adapter = ((n, distributed.full_tensor(t)) for n, t in self.model.state_dict().items()
+                       if is_adapter(n))
+            if self.rank == 0:
+                save_safetensors(adapter, directory, ADAPTER_FILE)
+            else:
+                for _ in adapter:
+                    pass
+        optimizer = distributed.optimizer_state(self.model, self.optimizer)
+        if self.rank == 0:
+            torch.save({"optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
+                       directory / "trainer.pt")
 
     def load(self, directory: Path) -> None:
-        self.model.load_state_dict(load_file(str(directory / WEIGHTS_FILE), device=self.device))
+        """A checkpoint saved by any number of workers (every rank reads the files)."""
+        if self.lora_scaling:  # the frozen base is the model as built; only adapters were trained
+            distributed.load_model_state(self.model, load_file(str(directory / ADAPTER_FILE)), strict=False)
+        else:
+            distributed.load_model_state(self.model, load_file(str(directory / WEIGHTS_FILE)))
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
 
     # ---- internals -----------------------------------------------------------------
@@ -161,7 +229,16 @@ class GRPOTrainer:
         uses it, or on the steps that log `train/kl`."""
         every = self.ref_kl_every_n_steps
         logs_kl = every > 0 and (self.fits_done + 1) % every == 0
-        return self.ref is not None and (self.kl_coef > 0 or logs_kl)
+        return self.has_ref and (self.kl_coef > 0 or logs_kl)
+
+    @contextmanager
+    def _reference(self):
+        """The frozen reference policy: its own copy, or with LoRA the model, adapters off."""
+        if self.lora_scaling:
+            with self.model.disable_adapter(), torch.no_grad():
+                yield self.model
+        else:
+            yield self.ref
 
     def _forward(self, model, tb: TokenBatch, idx: torch.Tensor, width: int, entropy: bool = False):
         """Logprobs (and entropies) of the predicted tokens of rows `idx`, [n, width-1]."""
@@ -175,21 +252,36 @@ class GRPOTrainer:
             ent = -(src.exp() * src).sum(-1)
         return logp, ent
 
+    def _pieces(self, tb: TokenBatch, shares: list[list[int]]) -> tuple[list[Piece], list[Piece]]:
+        """This rank's micro-batches of its share of the rows, padded to as many as the busiest
+        rank has, and every rank's real ones (for pad_frac)."""
+        per_rank = [[(idx, width, True) for idx, width in tb.micro_batches(share, self.micro_batch_tokens)]
+                    for share in shares]
+        mine = per_rank[self.rank]
+        filler = (torch.tensor([0]), 2, False)  # a masked-out 2-token piece: collectives only
+        mine += [filler] * (max(map(len, per_rank)) - len(mine))
+        return mine, [p for r in per_rank for p in r]
+
     @torch.no_grad()
-    def _logprobs(self, model, tb: TokenBatch) -> torch.Tensor:
-        """[N, L-1] logprobs of every row's predicted tokens (0 on padding)."""
+    def _logprobs(self, model, tb: TokenBatch, pieces: list[Piece]) -> torch.Tensor:
+        """[N, L-1] logprobs of the predicted tokens of the rows in `pieces` (0 elsewhere)."""
         out = torch.zeros(tb.loss_mask.shape, device=self.device)
-        for idx, width in tb.micro_batches(list(range(len(tb))), self.micro_batch_tokens):
-            out[idx.to(self.device), :width - 1] = self._forward(model, tb, idx, width)[0]
+        for idx, width, real in pieces:
+            logp = self._forward(model, tb, idx, width)[0]
+            if real:
+                out[idx.to(self.device), :width - 1] = logp
         return out
 
     def _per_sample(self, model, samples: list[Sample]) -> list[torch.Tensor]:
-        """Per-sample token logprobs; samples with fewer than 2 tokens (e.g. failed) get zeros."""
+        """Per-sample token logprobs; samples with fewer than 2 tokens (e.g. failed) get zeros.
+        Every rank computes every sample."""
         out = [torch.zeros(len(s.tokens)) for s in samples]
         scored = [i for i, s in enumerate(samples) if len(s.tokens) >= 2]
         if scored:
             tb = TokenBatch.build([samples[i] for i in scored], version=0)
-            logp = self._logprobs(model, tb).cpu()
+            rows = list(range(len(tb)))
+            pieces = [(idx, w, True) for idx, w in tb.micro_batches(rows, self.micro_batch_tokens)]
+            logp = self._logprobs(model, tb, pieces).cpu()
             for row, i in enumerate(scored):
                 out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
@@ -221,28 +313,39 @@ class GRPOTrainer:
         rows. The PPO ratio is clipped around the proximal logprobs (the rollout's, or
         recomputed with these weights); metrics are summed as tensors and read once."""
         dev = self.device
+        n_mb = min(self.minibatches_per_step, len(tb))
+        # each minibatch's rows dealt to the ranks; per minibatch: its rows, this rank's pieces,
+        # every rank's real pieces
+        shares = [distributed.balanced_split(list(range(m, len(tb), n_mb)), tb.lengths, self.world)
+                  for m in range(n_mb)]
+        plan = [(sum(share, []), *self._pieces(tb, share)) for share in shares]
+        # the logprobs taken before the update: of every row this rank trains in any minibatch
+        my_pieces = self._pieces(tb, [sorted(i for share in shares for i in share[r])
+                                      for r in range(self.world)])[0]
         behav = tb.behav_logprobs.to(dev)
         recompute = self.old_logprobs == "recompute" or self.correction == "decoupled"
-        old = self._logprobs(self.model, tb) if recompute else behav
-        ref = self._logprobs(self.ref, tb) if self._wants_ref() else None
+        old = self._logprobs(self.model, tb, my_pieces) if recompute else behav
+        ref = None
+        if self._wants_ref():
+            with self._reference() as ref_model:
+                ref = self._logprobs(ref_model, tb, my_pieces)
         mask_all, adv = tb.loss_mask.to(dev), adv.to(dev)
         # staleness values present, read on the host from the samples: no device sync
         levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
-        n_mb = min(self.minibatches_per_step, len(tb))
+        grad_norm_sum = torch.zeros((), device=dev)
         forwarded: list[tuple[torch.Tensor, int]] = []
-        for m in range(n_mb):
-            rows = list(range(m, len(tb), n_mb))
-            pieces = tb.micro_batches(rows, self.micro_batch_tokens)
-            forwarded += pieces
-            n_tokens = float(tb.loss_mask[rows].sum())
+        for m, (rows, mine, everyone) in enumerate(plan):
+            forwarded += [(idx, width) for idx, width, _ in everyone]
+            n_tokens = float(tb.loss_mask[rows].sum())  # over all ranks: the global token-mean
             part: dict[str, torch.Tensor] = {}
-            for idx, width in pieces:
+            for idx, width, real in mine:
                 idx_d = idx.to(dev)
                 cols = slice(0, width - 1)
                 logp, ent = self._forward(self.model, tb, idx, width, entropy=True)
-                mask, old_lp, behav_lp = mask_all[idx_d, cols], old[idx_d, cols], behav[idx_d, cols]
+                mask = mask_all[idx_d, cols] if real else torch.zeros_like(logp)
+                old_lp, behav_lp = old[idx_d, cols], behav[idx_d, cols]
                 ref_lp = ref[idx_d, cols] if ref is not None else None
                 loss_tok, tok = self._token_terms(logp, ent, old_lp, behav_lp, adv[idx_d, None], ref_lp)
                 ((loss_tok * mask).sum() / n_tokens).backward()
@@ -261,13 +364,15 @@ class GRPOTrainer:
             if step:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            _add(part, "grad_norm", grad_norm)
+            grad_norm_sum = grad_norm_sum + distributed.full_tensor(grad_norm)  # the same on every rank
             for k, v in part.items():
                 _add(sums, k, v)
         means = {f"train/{k}": v / (1 if k.startswith("offpolicy") or k == "mismatch_kl" else n_mb)
                  for k, v in sums.items()}
-        names = list(means) + [f"train/{k}" for k in maxes]
-        values = torch.stack([*means.values(), *maxes.values()]).tolist()  # the one host transfer
+        summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")
+        maxed = distributed.all_reduce_(torch.stack(list(maxes.values())), "max")
+        names = list(means) + [f"train/{k}" for k in maxes] + ["train/grad_norm"]
+        values = torch.cat([summed, maxed, (grad_norm_sum / n_mb)[None]]).tolist()  # the one host transfer
         out = dict(zip(names, values))
         out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
         out["train/pad_frac"] = tb.pad_frac(forwarded)

@@ -1,0 +1,62 @@
+"""LoRA through peft: only the adapters train; the rollout engine gets merged weights.
+
+Why merged weights and not vLLM's per-version LoRA adapters: the engine then runs the same
+dense model as without LoRA (no adapter kernels, any architecture vLLM serves, every weight
+transport unchanged), and the trainer/engine logprobs agree as closely as with full
+fine-tuning. The cost is publishing the full model at every sync, not just the adapters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from rlexp.protocols import NamedTensors
+
+PREFIX = "base_model.model."  # where peft puts the wrapped model's names
+ADAPTER_FILE = "adapter.safetensors"
+
+
+def check_spec(rank: int, alpha: int, target_modules: list[str]) -> None:
+    if rank < 0 or alpha <= 0 or not target_modules:
+        raise ValueError(f"trainer.lora: rank must be >= 0 (0 = no LoRA), alpha > 0 and target_modules "
+                         f"non-empty; got rank={rank}, alpha={alpha}, target_modules={target_modules}")
+
+
+def add_adapters(model: torch.nn.Module, rank: int, alpha: int,
+                 target_modules: list[str]) -> torch.nn.Module:
+    """The model with rank-`rank` adapters on `target_modules`; everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    return get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def merged_weights(named: NamedTensors, scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """The peft model's tensors (in state-dict order) as the base model's names and shapes,
+    each adapted weight W + scaling * B @ A. A module's base weight comes before its A and B,
+    so at most one module's tensors wait here at a time."""
+    waiting: dict[str, torch.Tensor] = {}  # module name -> its base weight, until A and B arrive
+    adapters: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        name = name.removeprefix(PREFIX)
+        if ".base_layer." in name:
+            module, _, leaf = name.partition(".base_layer.")
+            if leaf == "weight":
+                waiting[module] = t
+                continue
+            yield f"{module}.{leaf}", t
+        elif is_adapter(name):
+            module = name.split(".lora_")[0]
+            adapters[name.split(".lora_")[1][0]] = t  # "A" or "B"
+            if len(adapters) == 2:
+                base = waiting.pop(module)
+                delta = (adapters.pop("B").float() @ adapters.pop("A").float()) * scaling
+                yield f"{module}.weight", (base.float() + delta).to(base.dtype)
+        else:
+            yield name, t
+    assert not waiting and not adapters, f"LoRA tensors without their pair: {list(waiting) + list(adapters)}"

@@ -1,0 +1,75 @@
+"""Fit fixed batches with GRPOTrainer on however many ranks launched it (torchrun, gloo):
+the trainer driven without Ray, Hydra or vLLM. Used by tests/test_distributed_trainer.py.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dist_fit.py MODEL OUT [--load D] [--save D]
+
+Without torchrun it runs unsharded in one process. Writes {config: {"metrics", "weights"}}
+to OUT from rank 0, for minibatches_per_step 1 and 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rlexp.sample import Sample, Status, TokenTrace
+from rlexp.trainer.grpo import GRPOTrainer
+
+
+def make_batch(seed: int, groups: int = 4, per_group: int = 4) -> list[Sample]:
+    """Prompts and responses of random lengths (so ranks get unequal rows), random rewards."""
+    g = random.Random(seed)
+    out = []
+    for gid in range(groups):
+        for _ in range(per_group):
+            n_prompt, n_resp = g.randint(3, 8), g.randint(2, 14)
+            tokens = [g.randint(5, 100) for _ in range(n_prompt + n_resp)]
+            logprobs = [0.0] * n_prompt + [-g.random() * 3 for _ in range(n_resp)]
+            s = Sample(group_id=gid, prompt=tokens[:n_prompt], answer="",
+                       trace=TokenTrace(tokens, [0] * n_prompt + [1] * n_resp, logprobs, [0] * len(tokens)))
+            s.reward, s.status = float(g.random() > 0.5), Status.COMPLETED
+            out.append(s)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--fits", type=int, default=2)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--load")
+    p.add_argument("--save")
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--minibatches", default="1,2")
+    a = p.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    results = {}
+    for mb in map(int, a.minibatches.split(",")):
+        torch.manual_seed(0)
+        trainer = GRPOTrainer(a.model, temperature=0.7, optimizer=partial(torch.optim.AdamW, lr=1e-3),
+                              total_steps=10, workers=world, minibatches_per_step=mb, micro_batch_tokens=40,
+                              kl_coef=0.05, old_logprobs="recompute", lora={"rank": a.lora_rank})
+        if a.load:
+            trainer.load(Path(a.load) / f"mb{mb}")
+        metrics = [trainer.fit(make_batch(a.first_seed + i), a.first_seed + i) for i in range(a.fits)]
+        if a.save:
+            (Path(a.save) / f"mb{mb}").mkdir(parents=True, exist_ok=True)
+            trainer.save(Path(a.save) / f"mb{mb}")
+        weights = {name: t.detach().cpu().clone() for name, t in trainer.weights()}  # every rank gathers
+        results[mb] = {"metrics": metrics, "weights": weights}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(results, a.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
