@@ -113,8 +113,18 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
 def _check_cluster(cfg: DictConfig) -> None:
     from rlexp.rollout.accounting import one_engine
 
-    if OmegaConf.select(cfg, "cluster.replicas") is None:  # not a cluster of replicas (cluster=local)
+    on_ray = "ray" in str(OmegaConf.select(cfg, "cluster._target_") or "")
+    if not on_ray:
         one_engine(OmegaConf.select(cfg, "rollout.replicas") or 1)
+    workers = OmegaConf.select(cfg, "trainer.workers") or 1
+    if workers > 1 and not on_ray:
+        raise ConfigError(f"trainer.workers={workers} runs the trainer's ranks as Ray actors: "
+                          "add cluster=ray")
+    native = ("vllm_nccl", "vllm_ipc")
+    if workers > 1 and any(n in str(OmegaConf.select(cfg, "weight_transfer._target_")) for n in native):
+        raise ConfigError(f"weight_transfer={cfg.weight_transfer._target_} sends from a trainer in the "
+                          f"driver; with trainer.workers={workers} use weight_transfer=auto (ram_file or "
+                          "object_store)")
 
 
 def derived(cfg: DictConfig) -> dict[str, int]:

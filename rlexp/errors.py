@@ -10,6 +10,7 @@ One sample goes wrong (the run goes on; the reason lands in the sample's trace):
 The run cannot usefully go on (it stops with the reason and the resume command):
     RunStopped       too many failed samples in a step
     EngineDead       the rollout engine's process died
+    TrainerDead      a trainer worker's process died (cluster=ray, trainer.workers > 1)
 """
 
 from __future__ import annotations
@@ -48,3 +49,7 @@ class RunStopped(RuntimeError):
 
 class EngineDead(RunStopped):
     """The rollout engine's process died; every request from now on would fail."""
+
+
+class TrainerDead(RunStopped):
+    """A rank of the trainer group died; the group cannot go on without it."""

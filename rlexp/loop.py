@@ -32,10 +32,10 @@ from transformers import AutoTokenizer
 
 from rlexp import checkpoint
 from rlexp.chat import tool_prompt
-from rlexp.cluster import LocalCluster
+from rlexp.cluster import build_cluster
 from rlexp.config import RUN_CONFIG, derived
 from rlexp.data.manager import DataManager
-from rlexp.errors import ConfigError, EngineDead, RunStopped
+from rlexp.errors import ConfigError, EngineDead, RunStopped, TrainerDead
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
@@ -131,10 +131,10 @@ class RLLoop:
             return final
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
-            if isinstance(e, EngineDead):
+            if isinstance(e, (EngineDead, TrainerDead)):
                 found = checkpoint.checkpoints(self.run_dir)
                 last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was saved"
-                raise EngineDead(f"{e}; {last}. Resume: python -m rlexp.run resume={self.run_dir}") from e
+                raise type(e)(f"{e}; {last}. Resume: python -m rlexp.run resume={self.run_dir}") from e
             raise
         finally:
             await self.cleanup(status, error)
@@ -163,7 +163,7 @@ class RLLoop:
     def start_tracking(self, tags: dict[str, str], resume_from: Path | None) -> None:
         self.tracker = tracker = build(self.cfg, "logger")
         # Before the run starts: a Ray cluster that cannot place the replicas is a config error.
-        self.cluster = build(self.cfg, "cluster") if "cluster" in self.cfg else LocalCluster()
+        self.cluster = build_cluster(self.cfg)
         if resume_from is None:
             tracker.tags = tags
             sizes = derived(self.cfg)
@@ -194,7 +194,9 @@ class RLLoop:
                                         judge=judge, sampling=self.evaluator.sampling,
                                         _convert_="object")  # a dataclass, not a DictConfig
         self.scheduler = build(cfg, "scheduler")
-        self.trainer = build(cfg, "trainer", model_path=self.model_path)
+        log.info("building %-16s %s x%d on cluster=%s", "trainer", cfg.trainer._target_,
+                 cfg.trainer.get("workers", 1), self.cluster.name)
+        self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
 
     async def restore(self, path: Path) -> None:
         """Trainer, engine weights, policy version, scheduler, RNGs and sample ids as they

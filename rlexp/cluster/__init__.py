@@ -1,17 +1,20 @@
 """Where rlexp's parts run: `cluster=local` (one process; Ray is never imported) or
-`cluster=ray` (rlexp/cluster/ray_cluster.py: rollout replicas as Ray actors).
+`cluster=ray` (rlexp/cluster/ray_cluster.py: rollout replicas, and with trainer.workers > 1
+the trainer's ranks, as Ray actors).
 
 A cluster builds the rollout engine (one engine, or a RolloutPool of replicas behind the
-same Protocol) and says which weight transport fits it (`weight_transfer=auto`)."""
+same Protocol) and the trainer (in this process, or a TrainerGroup behind the same Protocol),
+and says which weight transport fits it (`weight_transfer=auto`)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlexp.protocols import RolloutEngine, WeightTransport
+from rlexp.protocols import RolloutEngine, Trainer, WeightTransport
 
 
 def engine_spec(rollout: DictConfig, transport: WeightTransport) -> dict[str, Any]:
@@ -24,6 +27,21 @@ def engine_spec(rollout: DictConfig, transport: WeightTransport) -> dict[str, An
     return spec
 
 
+def build_cluster(cfg: DictConfig) -> Any:
+    """The `cluster` group, given what other groups own: the rollout replicas and their GPUs
+    (rollout), the trainer's ranks (trainer) and `placement`. Passed here rather than
+    interpolated in the YAML, so that `resume=... trainer.workers=1` reaches the cluster too
+    (a resumed run's saved config holds resolved values)."""
+    node = cfg.get("cluster")
+    if node is None:
+        return LocalCluster()
+    owned = {"replicas": cfg.rollout.get("replicas", 1),
+             "gpus_per_replica": cfg.rollout.get("gpus_per_replica", 1),
+             "placement": cfg.get("placement", "split"), "trainer_workers": cfg.trainer.get("workers", 1)}
+    takes = inspect.signature(get_object(node._target_)).parameters
+    return instantiate(node, **{k: v for k, v in owned.items() if k in takes})
+
+
 class LocalCluster:
     """Everything in this process: one rollout engine, the trainer beside it."""
 
@@ -33,6 +51,9 @@ class LocalCluster:
     def rollout_engine(self, rollout: DictConfig, model_path: str,
                        transport: WeightTransport) -> RolloutEngine:
         return instantiate(engine_spec(rollout, transport), model_path=model_path)
+
+    def trainer(self, trainer: DictConfig, model_path: str) -> Trainer:
+        return instantiate(trainer, model_path=model_path)
 
     def params(self) -> dict[str, Any]:
         import torch

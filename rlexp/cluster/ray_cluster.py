@@ -1,4 +1,5 @@
-"""`cluster=ray`: the rollout engines as Ray actors placed by a placement group.
+"""`cluster=ray`: the rollout engines, and the trainer's ranks when `trainer.workers` > 1,
+as Ray actors placed by placement groups.
 
     ray.init()                    a local Ray (cluster.address=null), stopped with the run
     cluster.address=auto          join the Ray cluster this node belongs to (`ray start`)
@@ -10,15 +11,23 @@ Placement (`placement=split|colocate`, one bundle per rollout replica):
               async scheduler overlaps the two.
     colocate  each replica's actor takes half of its bundle; the other half is the trainer's
               share of the same devices. On GPU vLLM sleeps while the trainer trains.
+
+The trainer: with `trainer.workers: 1` it trains in this process (on GPU with split: the
+last GPU). With more, a TrainerGroup (rlexp/cluster/trainer_group.py): one bundle per rank
+(`cluster.cpus_per_trainer_worker` CPUs, one GPU on GPU clusters) in a second placement
+group, packed onto as few nodes as fit.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from rlexp.cluster import engine_spec
 from rlexp.cluster.pool import EngineReplica, RolloutPool
@@ -37,17 +46,20 @@ class RayCluster:
     def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
                  address: str | None = None, num_cpus: AtLeast1 | None = None,
                  cpus_per_replica: Positive = 1.0, max_restarts: AtLeast0 = 3,
-                 ready_timeout_s: Positive = 600.0):
+                 ready_timeout_s: Positive = 600.0, trainer_workers: AtLeast1 = 1,
+                 cpus_per_trainer_worker: Positive = 1.0):
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
 
         self.replicas, self.placement = replicas, placement
         self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
+        self.trainer_workers = trainer_workers
         self._owns_ray = not ray.is_initialized()
         self._reaper = None
         num_gpus = None
-        if address is None and placement == "split" and torch.cuda.device_count() > 0:
+        driver_trains = trainer_workers == 1
+        if address is None and placement == "split" and torch.cuda.device_count() > 0 and driver_trains:
             # A local Ray gets every GPU but the last, which the trainer (this process) trains on.
             if torch.cuda.device_count() < 2:
                 raise ConfigError("placement=split puts rollout and trainer on separate GPUs: this "
@@ -58,6 +70,10 @@ class RayCluster:
             before = reaper.snapshot()
             # "local": a new Ray for this run even where RAY_ADDRESS or a `ray start` says otherwise
             own = address is None
+            if own and num_cpus is None:  # logical CPUs, for placement: a laptop may oversubscribe
+                num_cpus = max(os.cpu_count() or 1, math.ceil(
+                    replicas * cpus_per_replica + (trainer_workers * cpus_per_trainer_worker
+                                                   if trainer_workers > 1 else 0)))
             ray.init(address=address or "local", num_cpus=num_cpus if own else None,
                      num_gpus=num_gpus if own else None, include_dashboard=False,
                      logging_level=logging.WARNING)
@@ -68,29 +84,47 @@ class RayCluster:
         resources = ray.cluster_resources()
         self.gpu = resources.get("GPU", 0) > 0
         self.bundle = {"CPU": cpus_per_replica} | ({"GPU": gpus_per_replica} if self.gpu else {})
-        for kind, each in self.bundle.items():
-            if replicas * each > resources.get(kind, 0):
+        self.trainer_bundle = {"CPU": cpus_per_trainer_worker} | ({"GPU": 1} if self.gpu else {})
+        trainer_bundles = trainer_workers if trainer_workers > 1 else 0
+        for kind in self.bundle:
+            needed = replicas * self.bundle[kind] + trainer_bundles * self.trainer_bundle[kind]
+            if needed > resources.get(kind, 0):
                 self.shutdown()
                 raise ConfigError(
-                    f"rollout.replicas={replicas} x {each:g} {kind} per replica do not fit in the Ray "
-                    f"cluster's {resources.get(kind, 0):g} {kind}s (cluster.cpus_per_replica, "
-                    f"rollout.gpus_per_replica, cluster.num_cpus)")
+                    f"rollout.replicas={replicas} x {self.bundle[kind]:g} {kind} per replica"
+                    + (f" + trainer.workers={trainer_workers} x {self.trainer_bundle[kind]:g}"
+                       if trainer_bundles else "")
+                    + f" do not fit in the Ray cluster's {resources.get(kind, 0):g} {kind}s "
+                    "(cluster.cpus_per_replica, rollout.gpus_per_replica, cluster.cpus_per_trainer_worker, "
+                    "cluster.num_cpus)")
+        if self.gpu and trainer_bundles and placement == "colocate":
+            self.shutdown()
+            raise ConfigError("placement=colocate with trainer.workers > 1 on GPU is not supported yet: "
+                              "use placement=split")
         if placement == "colocate" and self.gpu and (gpus_per_replica > 1 or replicas > 1):
             self.shutdown()  # CUDA IPC handles open on the trainer's GPU only
             raise ConfigError("placement=colocate shares the trainer's GPU with the rollout replica: it "
                               "needs rollout.replicas=1 and rollout.gpus_per_replica=1 (until the trainer "
                               "runs as Ray actors beside each replica)")
         self.pg = placement_group([dict(self.bundle) for _ in range(replicas)], strategy="PACK")
+        self.trainer_pg = None
+        if trainer_bundles:
+            self.trainer_pg = placement_group([dict(self.trainer_bundle) for _ in range(trainer_bundles)],
+                                              strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            for pg in (self.pg, self.trainer_pg):
+                if pg is not None:
+                    ray.get(pg.ready(), timeout=ready_timeout_s)
         except Exception as e:
             self.shutdown()
-            raise ConfigError(f"the Ray cluster could not place {replicas} bundles of {self.bundle} "
-                              f"within {ready_timeout_s:g}s: {e}") from e
+            raise ConfigError(f"the Ray cluster could not place {replicas} bundles of {self.bundle}"
+                              + (f" and {trainer_bundles} of {self.trainer_bundle}" * bool(trainer_bundles))
+                              + f" within {ready_timeout_s:g}s: {e}") from e
         self.nodes = sorted(set(placement_group_table(self.pg)["bundles_to_node_id"].values()))
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.multi_node = self.nodes != [self.driver_node]
         self.pool: RolloutPool | None = None
+        self.group: Any = None
         log.info("ray: %s; %d rollout bundle(s) of %s on %d node(s), placement=%s",
                  "started a local Ray" if self._owns_ray and address is None else f"joined {address}",
                  replicas, self.bundle, len(self.nodes), placement)
@@ -126,13 +160,38 @@ class RayCluster:
         self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps)
         return self.pool
 
+    def trainer(self, trainer: DictConfig, model_path: str) -> Any:
+        """In this process with one worker; a TrainerGroup of Ray actors with more."""
+        if self.trainer_pg is None:
+            return instantiate(trainer, model_path=model_path)
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rlexp.cluster.trainer_group import TrainerGroup, TrainerWorker
+
+        spec, pg = OmegaConf.to_container(trainer, resolve=True), self.trainer_pg
+        worker: Any = ray.remote(TrainerWorker)
+        actors = [worker.options(
+            num_cpus=self.trainer_bundle["CPU"], num_gpus=self.trainer_bundle.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        ).remote(r, self.trainer_workers) for r in range(self.trainer_workers)]
+        endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=self.ready_timeout_s)
+        address, port, _ = endpoints[0]
+        self.group = TrainerGroup(actors, [pid for _, _, pid in endpoints])
+        self.group._all("setup", address, port, spec, model_path)
+        log.info("ray: trainer group of %d rank(s) up (pids %s)", len(actors), self.group.pids)
+        return self.group
+
     def params(self) -> dict[str, Any]:
         import ray
 
         resources = ray.cluster_resources()
-        return {"cluster.nodes": len(self.nodes), "cluster.gpus": int(resources.get("GPU", 0)),
-                "cluster.cpus": resources.get("CPU", 0), "cluster.rollout_bundle": str(self.bundle),
-                "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0))}
+        params = {"cluster.nodes": len(self.nodes), "cluster.gpus": int(resources.get("GPU", 0)),
+                  "cluster.cpus": resources.get("CPU", 0), "cluster.rollout_bundle": str(self.bundle),
+                  "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0))}
+        if self.trainer_pg is not None:
+            params["cluster.trainer_bundle"] = str(self.trainer_bundle)
+        return params
 
     def shutdown(self) -> None:
         import ray
@@ -141,9 +200,13 @@ class RayCluster:
         if self.__dict__.get("pool") is not None:
             self.pool.shutdown()  # type: ignore[union-attr]
             self.pool = None
-        if self.__dict__.get("pg") is not None and ray.is_initialized():
-            remove_placement_group(self.pg)
-            self.pg = None
+        if self.__dict__.get("group") is not None:
+            self.group.shutdown()  # type: ignore[union-attr]
+            self.group = None
+        for name in ("pg", "trainer_pg"):
+            if self.__dict__.get(name) is not None and ray.is_initialized():
+                remove_placement_group(self.__dict__[name])
+                setattr(self, name, None)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         reaper.stop(self.__dict__.pop("_reaper", None))

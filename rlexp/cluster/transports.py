@@ -65,7 +65,9 @@ def auto_transport(cluster: Any) -> WeightTransport:
     """The transport that fits `cluster` (see the module's table)."""
     from rlexp.rollout.weights import RamFileTransport
 
-    if cluster.name == "ray" and torch.cuda.is_available():
+    # A trainer group's weights reach this process bucket by bucket, as CPU tensors.
+    group = getattr(cluster, "trainer_workers", 1) > 1
+    if cluster.name == "ray" and torch.cuda.is_available() and not group:
         if cluster.placement == "colocate":
             from rlexp.rollout.vllm_ipc import VllmIpcTransport
 

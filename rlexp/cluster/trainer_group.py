@@ -1,0 +1,144 @@
+"""TrainerGroup: `trainer.workers` ranks of one torch.distributed group, each a Ray actor
+holding a GRPOTrainer (FSDP2-sharded: rlexp/trainer/distributed.py), behind the Trainer
+Protocol, so the loop drives it like the one-process trainer.
+
+- fit: the batch goes into Ray's object store once; every rank gets all of it and trains
+  its token-balanced share. The metrics come back reduced over ranks, plus each rank's
+  `memory/rank_<i>/peak_mb`.
+- weights: streamed to the driver in buckets of about `BUCKET_BYTES`. Each rank gathers
+  each full tensor (a collective) and rank 0 sends it, so the driver holds one bucket at a time.
+- save / load: every rank takes part; rank 0 writes whole tensors, which any number of
+  workers can load.
+- faults: a rank that dies ends the group (the others would wait in a collective forever).
+  The run stops with TrainerDead and the resume hint; resuming may use another worker count.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlexp.errors import TrainerDead
+from rlexp.sample import Sample
+
+log = logging.getLogger(__name__)
+
+BUCKET_BYTES = 256 << 20
+
+
+class TrainerWorker:
+    """Runs inside a Ray actor: rank `rank` of the group, its GRPOTrainer built from `spec`
+    (the trainer group's config, with `_target_`)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.trainer: Any = None
+        self._stream: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def endpoint(self) -> tuple[str, int, int]:
+        """(address, a free port, pid) of this worker: rank 0's is the group's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        import ray
+
+        return ray.util.get_node_ip_address(), port, os.getpid()
+
+    def setup(self, address: str, port: int, spec: dict[str, Any], model_path: str) -> None:
+        import torch.distributed as dist
+        from hydra.utils import instantiate
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray makes this actor's GPU the only visible one
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world)
+        self.trainer = instantiate(spec, model_path=model_path)
+
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        return self.trainer.fit(batch, version)
+
+    def next_weights(self, max_bytes: int) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """The next bucket of full tensors (rank 0; the others gather and send nothing) and
+        whether the stream is done."""
+        if self._stream is None:
+            self._stream = self.trainer.weights()
+        bucket, size = [], 0
+        for name, t in self._stream:
+            if self.rank == 0:
+                bucket.append((name, t.detach().to("cpu", copy=True)))
+            size += t.numel() * t.element_size()
+            if size >= max_bytes:
+                return bucket, False
+        self._stream = None
+        return bucket, True
+
+    def save(self, directory: str) -> None:
+        self.trainer.save(Path(directory))
+
+    def load(self, directory: str) -> None:
+        self.trainer.load(Path(directory))
+
+    def fits_done(self) -> int:
+        return self.trainer.fits_done
+
+
+class TrainerGroup:
+    """The driver's handle on the ranks (`actors`, rank order), built by RayCluster.trainer."""
+
+    def __init__(self, actors: list[Any], pids: list[int]):
+        self.actors, self.pids = actors, pids
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """Call `method` on every rank and wait for all; a dead rank raises TrainerDead at
+        once (the others would block in a collective waiting for it)."""
+        import ray
+
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[done[0]] = ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                rank = refs.index(done[0])
+                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}) died: {e}") from e
+        return [results[r] for r in refs]
+
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        import ray
+
+        per_rank = self._all("fit", ray.put(batch), version)
+        metrics = dict(per_rank[0])  # reduced over ranks: the same on each, but for memory
+        for m in per_rank[1:]:
+            metrics |= {k: v for k, v in m.items() if k.startswith("memory/")}
+        return metrics
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        done = False
+        while not done:
+            bucket, done = self._all("next_weights", BUCKET_BYTES)[0]
+            yield from bucket
+
+    def save(self, directory: Path) -> None:
+        self._all("save", str(directory))
+
+    def load(self, directory: Path) -> None:
+        self._all("load", str(directory))
+
+    @property
+    def fits_done(self) -> int:
+        return self._all("fits_done")[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
