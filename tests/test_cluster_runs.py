@@ -1,8 +1,11 @@
-"""Whole runs with cluster=ray (a local Ray, two vLLM replicas of the tiny model) against
-cluster=local: the same training, per-replica metrics in MLflow, a multi-turn async run,
-and a SIGKILLed driver that leaves no process behind and resumes under cluster=ray."""
+"""Whole runs with cluster=ray (a local Ray, two vLLM replicas of the tiny model, a trainer
+group of two FSDP2 ranks) against cluster=local: the same training, per-replica and per-rank
+metrics in MLflow; a multi-turn async run whose trainer worker is SIGKILLed (the run stops
+with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
+behind), resumed with two: every step logged once."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +18,7 @@ from tests.test_resume import _resume_cmd, _run, _start, _steps, _wait_for
 from tests.test_run import _history, _traces
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
-RAY = ("cluster=ray", "rollout.replicas=2")
+RAY = ("cluster=ray", "rollout.replicas=2", "trainer.workers=2")
 STEPS = 3  # 100 steps were measured identical (README); 3 keep the suite short
 
 
@@ -72,7 +75,11 @@ def test_two_replicas_train_like_one_engine(tmp_path, models):
     assert _history(*local, "train/loss")[0] == pytest.approx(_history(*ray, "train/loss")[0], abs=1e-6)
     client, run = ray
     assert run.data.params["cluster.nodes"] == "1" and run.data.params["rollout.replicas"] == "2"
-    assert run.data.params["placement"] == "split"
+    assert run.data.params["placement"] == "split" and run.data.params["trainer.workers"] == "2"
+    assert "cluster.trainer_bundle" in run.data.params
+    for rank in (0, 1):  # each trainer rank's peak memory, every step
+        assert _steps(client, run, f"memory/rank_{rank}/peak_mb") == list(range(1, STEPS + 1))
+        assert min(_history(client, run, f"memory/rank_{rank}/peak_mb")) > 0
     for i in (0, 1):  # both replicas served requests; each one's speed and restarts logged per step
         assert _steps(client, run, f"replica/{i}/requests") == list(range(1, STEPS + 1))
         assert sum(_history(client, run, f"replica/{i}/requests")) > 0
@@ -80,27 +87,62 @@ def test_two_replicas_train_like_one_engine(tmp_path, models):
         assert min(_history(client, run, f"replica/{i}/tokens_per_s")) > 0
 
 
-def test_a_sigkilled_multiturn_async_run_leaves_no_process_and_resumes_under_ray(tmp_path, models):
-    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
-    cmd = _cmd(store, run_dir, models, "agent=multiturn", "judge=multiturn", "scheduler=async",
-               "trainer.total_steps=3", "checkpoint.every_n_steps=1", *RAY)
+def _kill_when(path, cmd, log, victim):
+    """Start `cmd`, wait for `path`, SIGKILL `victim(proc)`'s processes; the run's exit code."""
     with open(log, "a") as f:
         proc = _start(cmd, f)
         try:
-            _wait_for(run_dir / "checkpoints" / "step_1" / "meta.json", proc, timeout=1200)
-        except AssertionError:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-        started = psutil.Process(proc.pid).children(recursive=True)  # Ray's, the replicas', vLLM's
+            _wait_for(path, proc, timeout=1200)
+            victim(proc)
+            return proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _trainer_worker(proc) -> psutil.Process:
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "ray::TrainerWorker" in " ".join(p.cmdline())]
+    assert len(workers) == 2, workers
+    return workers[-1]
+
+
+def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    ckpt = run_dir / "checkpoints"
+    cmd = _cmd(store, run_dir, models, "agent=multiturn", "judge=multiturn", "scheduler=async",
+               "trainer.total_steps=4", "checkpoint.every_n_steps=1", "cluster=ray", "trainer.workers=2")
+    # 1. a trainer rank dies: the run stops (exit 3) with the resume hint
+    killed: list[int] = []
+
+    def kill_worker(proc):
+        worker = _trainer_worker(proc)
+        killed.append(worker.pid)
+        worker.kill()
+
+    rc = _kill_when(ckpt / "step_1" / "meta.json", cmd, log, kill_worker)
+    stopped = rf"run stopped: trainer worker [01] \(pid {killed[0]}\) died"
+    assert rc == 3 and re.search(stopped, log.read_text())
+    assert f"Resume: python -m rlexp.run resume={run_dir}" in log.read_text()
+    # 2. resumed with one worker (it trains in the driver), the driver SIGKILLed: nothing outlives it
+    started: list[psutil.Process] = []
+
+    def kill_driver(proc):
+        started.extend(psutil.Process(proc.pid).children(recursive=True))  # Ray's, replicas', vLLM's
         names = {" ".join(p.cmdline())[:30] for p in started}
         assert any("ray::EngineReplica" in n for n in names) and any("VLLM" in n for n in names), names
+        assert not any("ray::TrainerWorker" in n for n in names), names
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        _, alive = psutil.wait_procs(started, timeout=60)
+
+    _kill_when(ckpt / "step_2" / "meta.json", _resume_cmd(run_dir, "trainer.workers=1"), log, kill_driver)
+    _, alive = psutil.wait_procs(started, timeout=60)
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
-    _finish(_resume_cmd(run_dir), log)
+    # 3. resumed with two workers: finishes, the same MLflow run, each step's loss logged once
+    _finish(_resume_cmd(run_dir, "trainer.workers=2"), log)
     client, run = _run(store)
-    assert run.info.status == "FINISHED"
-    assert _steps(client, run, "train/loss") == [1, 2, 3]  # each step once
-    assert sum(_history(client, run, "replica/1/requests")) > 0
-    assert log.read_text().count("ray: started a local Ray") == 2  # the killed run's, the resumed one's
+    assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "2"
+    assert _steps(client, run, "train/loss") == [1, 2, 3, 4]
+    assert _steps(client, run, "memory/rank_1/peak_mb") == [1, 3, 4]  # step 2 trained in the driver
+    assert sum(_history(client, run, "replica/0/requests")) > 0
+    assert log.read_text().count("ray: started a local Ray") == 3

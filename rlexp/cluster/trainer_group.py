@@ -108,7 +108,8 @@ class TrainerGroup:
                 results[done[0]] = ray.get(done[0])
             except ray.exceptions.RayActorError as e:
                 rank = refs.index(done[0])
-                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}) died: {e}") from e
+                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}) died "
+                                  f"({type(e).__name__}; Ray's log above says more)") from e
         return [results[r] for r in refs]
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
