@@ -119,7 +119,12 @@ class GRPOTrainer:
             for m in (self.model, self.ref):
                 if m is not None:
                     distributed.shard(m, None if mixed_precision == "none" else mixed_precision)
-        self.optimizer = optimizer([p for p in self.model.parameters() if p.requires_grad])
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = optimizer(trained)
+        total = sum(p.numel() for p in self.model.parameters())
+        log.info("trainer: rank %d of %d, %s, %d of %d parameters trained%s", self.rank, self.world,
+                 self.device, sum(p.numel() for p in trained), total,
+                 f" (LoRA rank {spec['rank']})" if self.lora_scaling else "")
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
