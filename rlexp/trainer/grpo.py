@@ -34,7 +34,14 @@ from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
 from rlexp.trainer.advantages import group_advantages
-from rlexp.trainer.lora import ADAPTER_FILE, add_adapters, check_spec, is_adapter, merged_weights
+from rlexp.trainer.lora import (
+    ADAPTER_FILE,
+    adapters_off,
+    add_adapters,
+    check_spec,
+    is_adapter,
+    merged_weights,
+)
 from rlexp.trainer.losses import clipped_pg_loss, k3_kl, truncated_is_pg_loss
 from rlexp.trainer.token_batch import TokenBatch
 
@@ -240,7 +247,7 @@ class GRPOTrainer:
     def _reference(self):
         """The frozen reference policy: its own copy, or with LoRA the model, adapters off."""
         if self.lora_scaling:
-            with self.model.disable_adapter(), torch.no_grad():
+            with adapters_off(self.model), torch.no_grad():
                 yield self.model
         else:
             yield self.ref

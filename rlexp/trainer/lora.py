@@ -8,6 +8,7 @@ fine-tuning. The cost is publishing the full model at every sync, not just the a
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -30,6 +31,25 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: int,
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
     return get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The base model's outputs (the reference policy): every adapter's scaling set to 0.
+    Not peft's `disable_adapter()`, which skips the adapters: FSDP2 with bf16 mixed precision
+    then fails the next backward (torch 2.13, "assign a gradient with dtype BFloat16 to a
+    tensor with grad_dtype Float"); x + 0 * BAx is x exactly."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    saved = [dict(m.scaling) for m in layers]
+    for m in layers:
+        m.scaling = {k: 0.0 for k in m.scaling}
+    try:
+        yield
+    finally:
+        for m, scaling in zip(layers, saved):
+            m.scaling = scaling
 
 
 def is_adapter(name: str) -> bool:
