@@ -37,6 +37,7 @@ fi
 # Pinned: the tiny model's weights (and so every figure in the README) depend on them.
 $PIP install "mlflow==3.17.2" "hydra-core==1.3.8" "transformers==5.19.0" "tokenizers==0.23.3" "safetensors==0.8.0"
 $PIP install "datasets==5.2.0" "math-verify==0.9.0" "gguf==0.19.0" "accelerate==1.15.0" "reasoning-gym==0.1.25"
+$PIP install "peft==0.21.2"   # trainer.lora
 $PIP install "ray==2.60.0"   # cluster=ray (optional for users: pip install rlexp[ray])
 $PIP install -e ".[dev,examples,ray]"
-.venv/bin/python -c "import vllm, torch, transformers, mlflow, hydra, ray; print('install: ok', 'torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
+.venv/bin/python -c "import vllm, torch, transformers, mlflow, hydra, ray, peft; print('install: ok', 'torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
