@@ -99,6 +99,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not state["state"]:  # a stateless optimizer (plain SGD): torch's loader needs a tensor in it
+        return
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
