@@ -1,14 +1,15 @@
 # make run   - create .venv (first time) and run the default experiment
-# make test  - create .venv (first time), lint (ruff, mypy), and run the whole test suite
+# make test  - create .venv (first time), check the pins, lint (ruff, mypy), run the whole test suite
+# make lock  - re-resolve the pins (requirements/*.in -> requirements/*.txt)
 # make ui    - open the MLflow UI on this directory's runs
 # make bench - rollout-overhead benchmark
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test lint browser ui bench clean
+.PHONY: install run test pins lint lock browser ui bench clean
 
-$(STAMP): scripts/install.sh pyproject.toml
+$(STAMP): scripts/install.sh pyproject.toml requirements/cpu.txt requirements/gpu.txt
 	bash scripts/install.sh
 	touch $@
 
@@ -21,7 +22,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check rlexp tests bench scripts
 	$(VENV)/bin/mypy rlexp tests/test_protocols.py
 
-test: lint browser
+# The installed packages must be exactly the pinned ones (scripts/pins.py).
+pins: $(STAMP)
+	$(PY) scripts/pins.py check
+
+lock:
+	bash scripts/lock.sh
+
+test: pins lint browser
 	$(PY) -m pytest
 
 # Headless Chromium for the MLflow UI test; best effort: without it that test is skipped.

@@ -5,15 +5,20 @@
 
 The tracking URI comes from the flag, else the sweep dir's rlexp_sweep.json (written when
 the sweep started), else MLFLOW_TRACKING_URI. Writes compare.md, compare.csv and
-PNG plots (eval accuracy and training reward against step and against wall-clock time,
-one line per job) into the sweep dir."""
+PNG plots into the sweep dir: eval accuracy and training reward against step and against
+wall-clock time, one line per job; and, where jobs differ only by `seed`, per setting (the
+jobs' values of the other swept keys): a table of means and seed spread, eval accuracy as the
+seeds' mean with a min-max band, the staleness histogram of the trained samples, and the
+trainer/rollout mismatch per staleness value."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import os
+import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -22,6 +27,9 @@ from rlexp.tracking.sweep import SWEEP_TAG, read_sweep
 
 COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollout_tok_s",
            "train_tok_s", "staleness_mean", "staleness_max"]
+SETTING_COLUMNS = ["setting", "seeds", "eval_final", "eval_auc", "auc_vs_first", "wall_min",
+                   "staleness_mean", "mismatch_kl", "ratio_mean", "clip_frac", "expired"]
+EXPIRED = "samples/expired"
 
 
 def find_sweep(target: str, tracking_uri: str | None) -> tuple[MlflowClient, str, Path | None]:
@@ -96,13 +104,150 @@ def plot(client, runs, key: str, out: Path) -> Path:
     return out
 
 
-def table_markdown(rows: list[dict]) -> str:
+def table_markdown(rows: list[dict], columns: list[str] = COLUMNS) -> str:
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+# ---- settings: the jobs of a sweep that differ only by seed ---------------------------------
+def setting_of(run) -> str:
+    """`staleness_threshold=2` for the job named `staleness_threshold=2,seed=1`."""
+    parts = [p for p in run.info.run_name.split(",") if not p.startswith("seed=")]
+    return ",".join(parts) or "all"
+
+
+def by_setting(runs) -> dict[str, list]:
+    groups: dict[str, list] = defaultdict(list)
+    for run in runs:
+        groups[setting_of(run)].append(run)
+    return dict(groups)
+
+
+def spread(values: list[float]) -> str:
+    """mean ± sample standard deviation over seeds (just the value for one seed)."""
+    values = [float(v) for v in values if v == v]  # without NaN (metric not logged): stdev fails on it
+    if len(values) < 2:
+        return f"{values[0]:.3f}" if values else "-"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def token_weighted(client, run_id: str, key: str) -> float:
+    """`offpolicy/<key>/staleness_<k>` over every step and k, weighted by token count."""
+    run = client.get_run(run_id)
+    total = weight = 0.0
+    for name in run.data.metrics:
+        if name.startswith(f"offpolicy/{key}/staleness_"):
+            k = name.rsplit("_", 1)[1]
+            tokens = {m.step: m.value for m in history(client, run_id, f"offpolicy/tokens/staleness_{k}")}
+            for m in history(client, run_id, name):
+                total += m.value * tokens.get(m.step, 0.0)
+                weight += tokens.get(m.step, 0.0)
+    return total / weight if weight else float("nan")
+
+
+def eval_auc(client, run) -> float:
+    """Mean eval accuracy over the run's evaluations: the area under its curve, per eval."""
+    values = [m.value for m in history(client, run.info.run_id, "eval/accuracy")]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def summarize_setting(client, name: str, runs, first: dict[str, float]) -> dict:
+    """`first`: eval_auc by seed of the first setting; `auc_vs_first` is this setting's
+    difference from it, paired by seed (same seed: same initial model, data order, eval split)."""
+    def per_seed(fn):
+        return [fn(r.info.run_id) for r in runs]
+
+    def evals(rid):
+        return [m.value for m in history(client, rid, "eval/accuracy")]
+
+    paired = [eval_auc(client, r) - first[r.data.params["seed"]] for r in runs
+              if r.data.params.get("seed") in first]
+
+    def mean_metric(key):
+        return lambda rid: statistics.fmean([m.value for m in history(client, rid, key)] or [float("nan")])
+
+    return {
+        "setting": name, "seeds": len(runs),
+        "eval_final": spread(per_seed(lambda rid: (evals(rid) or [float("nan")])[-1])),
+        "eval_auc": spread([eval_auc(client, r) for r in runs]), "auc_vs_first": spread(paired),
+        "wall_min": spread([((r.info.end_time or r.info.start_time) - r.info.start_time) / 60000
+                            for r in runs]),
+        "staleness_mean": spread(per_seed(mean_metric("rollout/staleness_mean"))),
+        "mismatch_kl": spread(per_seed(lambda rid: token_weighted(client, rid, "mismatch_kl"))),
+        "ratio_mean": spread(per_seed(lambda rid: token_weighted(client, rid, "ratio_mean"))),
+        "clip_frac": spread(per_seed(mean_metric("train/clip_frac"))),
+        "expired": int(sum(per_seed(lambda rid: sum(m.value for m in history(client, rid, EXPIRED))))),
+    }
+
+
+def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
+    """Eval accuracy (seeds' mean, min-max band) by step and by wall-clock; the staleness
+    histogram of trained samples; the trainer/rollout mismatch per staleness value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, runs in groups.items():
+        curves = [history(client, r.info.run_id, "eval/accuracy") for r in runs]
+        steps = sorted(set.intersection(*({m.step for m in c} for c in curves)))
+        if not steps:
+            continue
+        at = [{m.step: m for m in c} for c in curves]
+        acc = [[a[s].value for a in at] for s in steps]
+        minutes = [statistics.fmean((a[s].timestamp - r.info.start_time) / 60000 for a, r in zip(at, runs))
+                   for s in steps]
+        for ax, x in ((axes[0], steps), (axes[1], minutes)):
+            label = f"{name} (n={len(runs)})"
+            (line,) = ax.plot(x, [statistics.fmean(v) for v in acc], marker=".", label=label)
+            ax.fill_between(x, [min(v) for v in acc], [max(v) for v in acc], alpha=0.15,
+                            color=line.get_color())
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall-clock (minutes since the job started)")
+    for ax in axes:
+        ax.set_ylabel("eval/accuracy (mean over seeds, band = min..max)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    files = [out / "compare_settings_eval_accuracy.png"]
+    fig.savefig(files[-1], dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(len(groups), 1)
+    for i, (name, runs) in enumerate(groups.items()):
+        hist: dict[int, float] = defaultdict(float)
+        kl: dict[int, list[float]] = defaultdict(list)
+        for r in runs:
+            rid = r.info.run_id
+            for key in client.get_run(rid).data.metrics:
+                if key.startswith("rollout/staleness_hist/"):
+                    hist[int(key.rsplit("/", 1)[1])] += sum(m.value for m in history(client, rid, key))
+                if key.startswith("offpolicy/mismatch_kl/staleness_"):
+                    kl[int(key.rsplit("_", 1)[1])] += [m.value for m in history(client, rid, key)]
+        total = sum(hist.values()) or 1.0
+        ks = sorted(hist)
+        axes[0].bar([k + i * width for k in ks], [hist[k] / total for k in ks], width, label=name)
+        ks = sorted(kl)
+        axes[1].bar([k + i * width for k in ks], [statistics.median(kl[k]) for k in ks], width, label=name)
+    axes[0].set_xlabel("staleness of a trained sample (policy versions)")
+    axes[0].set_ylabel("share of trained samples")
+    axes[1].set_xlabel("staleness of a trained token")
+    axes[1].set_ylabel("k3 KL(trainer || rollout), median over steps")
+    axes[1].set_yscale("symlog", linthresh=1e-3)
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out / "compare_settings_staleness.png")
+    fig.savefig(files[-1], dpi=100)
+    plt.close(fig)
+    return files
 
 
 def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = None) -> Path:
@@ -124,6 +269,14 @@ def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = 
     files = [out / "compare.md", out / "compare.csv"]
     for key in ("eval/accuracy", "rollout/reward_mean"):
         files.append(plot(client, runs, key, out / f"compare_{key.replace('/', '_')}.png"))
+    groups = by_setting(runs)
+    if len(groups) < len(runs):  # some jobs differ only by seed
+        first = {r.data.params.get("seed"): eval_auc(client, r) for r in next(iter(groups.values()))}
+        settings = [summarize_setting(client, name, group, first) for name, group in groups.items()]
+        md += "\nPer setting (mean ± standard deviation over seeds):\n\n"
+        md += table_markdown(settings, SETTING_COLUMNS)
+        (out / "compare.md").write_text(md)
+        files += plot_settings(client, groups, out)
     for f in files:
         client.log_artifact(parent_id, str(f), artifact_path="compare")
     print(md)

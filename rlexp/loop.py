@@ -39,6 +39,7 @@ from rlexp.errors import ConfigError, EngineDead, RunStopped, TrainerDead
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
+from rlexp.progress import Progress, SweepPosition
 from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
 from rlexp.sample import Sample, set_uid_counter, uid_counter
 from rlexp.schedulers.sync import SyncScheduler
@@ -96,11 +97,14 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
 
 
 class RLLoop:
-    """One run: `cfg` is the validated, composed config; `run_dir` holds checkpoints."""
+    """One run: `cfg` is the validated, composed config; `run_dir` holds checkpoints; `sweep`:
+    the job's place in its sweep, for the progress line."""
 
-    def __init__(self, cfg: DictConfig, run_dir: str | Path = "."):
+    def __init__(self, cfg: DictConfig, run_dir: str | Path = ".", sweep: SweepPosition | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.sweep = sweep
+        self.progress: Progress | None = None
         self.version = 0  # the policy version the engine serves (weight versions published)
         self.start_step = 0
         self.resume_state: dict | None = None
@@ -221,6 +225,7 @@ class RLLoop:
         assert self.tracker is not None
         total, every_ckpt = self.cfg.trainer.total_steps, self.cfg.checkpoint.every_n_steps
         final: dict[str, float] = {}
+        self.progress = Progress(total, self.start_step, self.sweep)
         if self.start_step == 0:
             final = await self.evaluate(0)
         for step in range(self.start_step + 1, total + 1):
@@ -234,6 +239,7 @@ class RLLoop:
                      metrics.get("train/loss", 0.0), metrics.get("train/entropy", 0.0),
                      metrics["timing/step_s"], metrics["timing/produce_s"], metrics["timing/fit_s"],
                      metrics["timing/sync_s"])
+            self.progress.update(step, metrics["rollout/reward_mean"])
             if step % self.evaluator.every_n_steps == 0 or step == total:
                 final = await self.evaluate(step)
             limit = self.scheduler.max_failure_fraction
@@ -255,6 +261,8 @@ class RLLoop:
         self.tracker.log_samples(batch, step, self.tokenizer.decode, name="eval_traces")
         log.info("step %4d  eval/accuracy %.3f  (%d samples, %.1fs)", step, metrics["eval/accuracy"],
                  len(batch), metrics["timing/eval_s"])
+        if self.progress is not None:
+            self.progress.evaluated(step, metrics["eval/accuracy"])
         return metrics
 
     async def save_checkpoint(self, step: int) -> Path:
@@ -271,6 +279,8 @@ class RLLoop:
                                        self.tracker.run_id, self.cfg.checkpoint.keep_last)
 
     async def cleanup(self, status: str, error: str | None) -> None:
+        if self.progress is not None:
+            self.progress.close()
         if self.scheduler is not None:
             await self.scheduler.aclose()
         for agent in (self.agent, self.eval_agent):

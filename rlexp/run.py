@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -21,16 +22,16 @@ from omegaconf import DictConfig
 from rlexp.config import resume_config, validate
 from rlexp.errors import ConfigError, RunStopped
 from rlexp.preflight import preflight
+from rlexp.progress import SweepPosition
 from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, log_failed_job, read_sweep
 
 log = logging.getLogger("rlexp")
 
 
-def sweep_job_tags(cfg: DictConfig) -> dict[str, str]:
+def sweep_job_tags(cfg: DictConfig, info: dict | None) -> dict[str, str]:
     """In a Hydra multirun: nest this job's MLflow run under the sweep's parent run and name
     it by what differs between the jobs (`staleness_threshold=2`)."""
     hc = HydraConfig.get()
-    info = read_sweep(hc.sweep.dir)
     if info is None:
         return {}
     overrides = list(hc.overrides.task)
@@ -45,7 +46,10 @@ def sweep_job_tags(cfg: DictConfig) -> dict[str, str]:
 def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    tags = sweep_job_tags(cfg) if multirun else {}
+    info = read_sweep(hc.sweep.dir) if multirun else None
+    tags = sweep_job_tags(cfg, info)
+    sweep = SweepPosition(hc.job.num, info.get("jobs", 0), info.get("started", time.time()),
+                          cfg.logger.run_name) if info else None
     overrides = list(hc.overrides.task)
     if cfg.logger.get("run_name") is None:
         cfg.logger.run_name = ",".join(overrides) if overrides else "default"
@@ -57,7 +61,7 @@ def main(cfg: DictConfig) -> float | None:
         from rlexp.loop import RLLoop  # torch, transformers: seconds
 
         validate(cfg)  # what only the imported components can tell
-        final = asyncio.run(RLLoop(cfg, run_dir).execute(tags, resume_from, inputs))
+        final = asyncio.run(RLLoop(cfg, run_dir, sweep).execute(tags, resume_from, inputs))
     except ConfigError as e:
         print(f"rlexp: config error: {e}", file=sys.stderr)
         if not multirun:

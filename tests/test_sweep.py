@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
+from omegaconf import open_dict
 
 import rlexp.config  # noqa: F401  (registers the config resolvers)
 from rlexp.tracking.sweep import SweepCallback, job_run_name, varying_keys
@@ -150,21 +151,28 @@ def test_mlflow_traces_of_equally_seeded_runs_do_not_collide(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (scripts/install_chromium.sh)")
-def test_mlflow_ui_in_a_real_browser_lists_the_child_runs(tmp_path):
+def test_mlflow_ui_in_a_real_browser_charts_every_child_run(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"logger.tracking_uri=sqlite:///{tmp_path}/m.db",
                                            f"hydra.sweep.dir={tmp_path}/sweep", "logger.experiment_name=ui"],
                       return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.sweeper.params = {"scheduler.staleness_threshold": "0,1,2,4"}  # what -m ... would set
     SweepCallback().on_multirun_start(cfg)
     info = json.loads((tmp_path / "sweep" / "rlexp_sweep.json").read_text())
     client = MlflowClient(tracking_uri=info["tracking_uri"])
+    kind = client.get_experiment(info["experiment_id"]).tags["mlflow.experimentKind"]
+    assert kind == "custom_model_development"  # the UI opens it as Model training
     for k in (0, 1, 2, 4):
         run = client.create_run(info["experiment_id"], run_name=f"staleness_threshold={k}",
                                 tags={"mlflow.parentRunId": info["parent_run_id"], "rlexp.role": "job"})
+        client.log_param(run.info.run_id, "scheduler.staleness_threshold", str(k))
+        for step, acc in ((0, 0.2), (10, 0.3 + 0.05 * k), (20, 0.4 + 0.02 * k)):
+            client.log_metric(run.info.run_id, "eval/accuracy", acc, step=step)
         client.set_terminated(run.info.run_id)
     shot = tmp_path / "ui.png"
     cmd = [sys.executable, "scripts/ui_check.py", str(tmp_path / "sweep"), "--screenshot", str(shot)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
-    assert "4/4 child runs shown" in res.stdout
+    assert "4/4 child runs drawn in the eval/accuracy chart" in res.stdout
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

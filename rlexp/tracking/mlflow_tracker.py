@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlexp.constraints import AtLeast1, Fraction
 
 log = logging.getLogger(__name__)
+EXPERIMENT_KIND = "mlflow.experimentKind"  # MLflow UI: "custom_model_development" = Model training
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -26,6 +27,17 @@ def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}." if prefix or k else ""))
         return out
     return {prefix.rstrip("."): d}
+
+
+def experiment_id(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
+    """The experiment `name`, created if missing. Unless someone chose otherwise, it is marked a
+    model-training experiment: MLflow's UI then opens on its runs and metric charts, rather than
+    inferring a GenAI experiment from the traces rlexp logs."""
+    exp = client.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_location)
+    if exp is None or EXPERIMENT_KIND not in exp.tags:
+        client.set_experiment_tag(exp_id, EXPERIMENT_KIND, "custom_model_development")
+    return exp_id
 
 
 @dataclass
@@ -45,9 +57,7 @@ class MlflowTracker:
 
     def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
         mlflow.set_tracking_uri(self.tracking_uri)
-        client = MlflowClient()
-        if client.get_experiment_by_name(self.experiment_name) is None:
-            client.create_experiment(self.experiment_name, artifact_location=self.artifact_location)
+        experiment_id(MlflowClient(), self.experiment_name, self.artifact_location)
         mlflow.set_experiment(self.experiment_name)
         run = mlflow.start_run(run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id

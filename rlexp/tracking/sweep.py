@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SWEEP_FILE = "rlexp_sweep.json"
 SWEEP_TAG = "rlexp.sweep_id"
+SHARED_VIEW = "mlflow.sharedViewState."  # + key: a runs-page view state (MLflow UI's Share button)
 SWEEP_FUNCTIONS = ("range(", "choice(", "glob(", "interval(", "tag(", "sort(", "shuffle(")
 
 
@@ -33,6 +35,19 @@ def varying_keys(overrides: list[str], sweeper_params: dict | None) -> list[str]
         if ("," in value or value.strip().startswith(SWEEP_FUNCTIONS)) and key not in out:
             out.append(key)
     return out
+
+
+def count_jobs(overrides: list[str], sweeper_params: dict | None) -> int:
+    """How many jobs Hydra's basic sweeper makes of these (0 when it cannot tell)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    specs = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + overrides
+    try:
+        parsed = OverridesParser.create().parse_overrides(specs)
+        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
+    except Exception:  # e.g. glob() needs the config loader; the count only feeds the progress line
+        return 0
 
 
 def job_run_name(varying: list[str], job_overrides: list[str]) -> str:
@@ -54,11 +69,26 @@ def _mlflow_client(tracking_uri: str) -> MlflowClient:
 
 
 def _client(cfg: DictConfig) -> tuple[MlflowClient, str]:
+    from rlexp.tracking.mlflow_tracker import experiment_id
+
     client = _mlflow_client(cfg.logger.tracking_uri)
-    exp = client.get_experiment_by_name(cfg.logger.experiment_name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        cfg.logger.experiment_name, artifact_location=cfg.logger.get("artifact_location"))
-    return client, exp_id
+    return client, experiment_id(client, cfg.logger.experiment_name, cfg.logger.get("artifact_location"))
+
+
+def save_compare_view(client: MlflowClient, exp_id: str, parent_id: str, group_by: list[str],
+                      metric: str = "eval/accuracy") -> str:
+    """A saved view of MLflow's runs page (what its Share button stores, as an experiment tag):
+    the sweep's child runs grouped by the swept keys other than `seed`, every run its own line
+    in chart mode, charts narrowed to `metric`. Returns the UI route (after the server's
+    address) that opens it, in the Model training workflow."""
+    keys = [{"mode": "param", "groupByData": k} for k in group_by if k != "seed"]
+    state = {"searchFilter": f"tags.`mlflow.parentRunId` = '{parent_id}'",
+             "orderByKey": "attributes.start_time", "orderByAsc": True, "runsHiddenMode": "SHOW_ALL",
+             "chartsSearchFilter": metric, "hideEmptyCharts": True, "useGroupedValuesInCharts": False,
+             "groupBy": {"groupByKeys": keys, "aggregateFunction": "average"} if keys else None}
+    client.set_experiment_tag(exp_id, f"{SHARED_VIEW}{parent_id}", json.dumps(state))
+    return (f"/#/experiments/{exp_id}/runs?viewStateShareKey={parent_id}&compareRunsMode=CHART"
+            "&workflowType=machine_learning")
 
 
 class SweepCallback(Callback):
@@ -85,8 +115,11 @@ class SweepCallback(Callback):
         else:  # a sweep dir launched again: same parent
             client.update_run(info["parent_run_id"], status="RUNNING")
             log.info("mlflow: reusing sweep parent run %s", info["parent_run_id"])
+        view = save_compare_view(client, exp_id, info["parent_run_id"], varying)
+        client.set_tag(info["parent_run_id"], "rlexp.compare_view", view)
         info |= {"experiment_id": exp_id, "tracking_uri": config.logger.tracking_uri,
-                 "sweep_id": sweep_id, "varying": varying}
+                 "sweep_id": sweep_id, "varying": varying, "started": time.time(),
+                 "jobs": count_jobs(list(config.hydra.overrides.task), params), "compare_view": view}
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info, indent=1))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
@@ -101,7 +134,8 @@ class SweepCallback(Callback):
         client.set_terminated(info["parent_run_id"], status="FAILED" if failed else "FINISHED")
         print(f"rlexp: sweep {sweep_dir}: {len(children) - len(failed)} job(s) finished"
               + (f", {len(failed)} failed: {', '.join(failed)}" if failed else "")
-              + f"\n  compare: python -m rlexp.compare {sweep_dir}")
+              + f"\n  compare: python -m rlexp.compare {sweep_dir}"
+              + f"\n  in the MLflow UI (make ui): http://127.0.0.1:5000{info.get('compare_view', '')}")
         if failed:
             raise SystemExit(1)  # every job ran; the sweep as a whole did not succeed
 
