@@ -73,7 +73,7 @@ class Progress:
             self.reward = reward
         if self.tty:
             self.draw()
-        elif time.time() - self.last_print >= self.every_s or step == self.total:
+        elif time.time() - self.last_print >= self.every_s:
             self.log()
 
     def evaluated(self, step: int, accuracy: float) -> None:

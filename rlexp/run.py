@@ -20,6 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rlexp.config import resume_config, validate
+from rlexp.console import quiet_third_party
 from rlexp.errors import ConfigError, RunStopped
 from rlexp.preflight import preflight
 from rlexp.progress import SweepPosition
@@ -44,6 +45,7 @@ def sweep_job_tags(cfg: DictConfig, info: dict | None) -> dict[str, str]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    quiet_third_party()
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     info = read_sweep(hc.sweep.dir) if multirun else None

@@ -1,0 +1,27 @@
+"""What third-party libraries print during a run, and why some of it is silenced. Called once
+by `python -m rlexp.run` before vLLM is imported; set the variables yourself to see it all."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# vLLM 0.32's triton dispatcher touches torch.distributed.reduce_op, deprecated in torch 2.13:
+# two FutureWarnings per process start, in vLLM's code, not ours to fix.
+REDUCE_OP_WARNING = "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
+
+
+def quiet_third_party() -> None:
+    # vLLM logs four INFO lines per weight update (pause, reset prefix cache, reload, unpause)
+    # and ten at shutdown; rlexp's step line says the same once. Its warnings still show.
+    # VLLM_LOGGING_LEVEL=INFO brings them back. Env vars: they reach vLLM's engine processes.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    filters = os.environ.get("PYTHONWARNINGS", "")
+    if REDUCE_OP_WARNING not in filters:
+        os.environ["PYTHONWARNINGS"] = f"{filters},{REDUCE_OP_WARNING}".lstrip(",")
+    warnings.filterwarnings("ignore", message=REDUCE_OP_WARNING.split(":")[1], category=FutureWarning)
+    # MLflow: "Flushing the async trace logging queue before program exit", "Creating initial
+    # MLflow database tables" are INFO about its own housekeeping.
+    for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
