@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import open_dict
 
 import rlexp.config  # noqa: F401  (registers the config resolvers)
-from rlexp.tracking.sweep import SweepCallback, job_run_name, varying_keys
+from rlexp.tracking.sweep import SweepCallback, count_jobs, job_run_name, varying_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["data.prompts_per_step=4", "data.samples_per_prompt=4", "evaluator.prompts=16",
@@ -28,6 +28,8 @@ def test_swept_keys_and_run_names():
     assert keys == ["scheduler.staleness_threshold", "agent", "trainer.optimizer.lr", "seed"]
     job = ["trainer.total_steps=2", "scheduler.staleness_threshold=2", "agent=b", "seed=1"]
     assert job_run_name(keys, job) == "staleness_threshold=2,agent=b,seed=1"
+    # the progress line's "job k/N": Hydra's basic sweeper's count, sweeper params included
+    assert count_jobs(overrides, {"seed": "0,1,2"}) == 4 * 2 * 2 * 3
 
 
 def _sweep(tmp_path, *overrides):
