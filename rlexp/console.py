@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 # vLLM 0.32's triton dispatcher touches torch.distributed.reduce_op, deprecated in torch 2.13:
@@ -21,6 +22,10 @@ def quiet_third_party() -> None:
     if REDUCE_OP_WARNING not in filters:
         os.environ["PYTHONWARNINGS"] = f"{filters},{REDUCE_OP_WARNING}".lstrip(",")
     warnings.filterwarnings("ignore", message=REDUCE_OP_WARNING.split(":")[1], category=FutureWarning)
+    # Progress bars (vLLM's and transformers' weight loading, via tqdm) redraw with "\r" even
+    # into a file; off when the output is not a terminal (tqdm reads TQDM_* when imported).
+    if not sys.stdout.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
     # MLflow: "Flushing the async trace logging queue before program exit", "Creating initial
     # MLflow database tables" are INFO about its own housekeeping.
     for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils"):

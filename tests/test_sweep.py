@@ -54,6 +54,10 @@ def test_staleness_sweep_parent_children_compare_and_traces(tmp_path):
     res, client, parents, children = _sweep(tmp_path, "experiment=staleness_sweep", "trainer.total_steps=2",
                                             "logger.trace_sample_rate=0.25")
     assert res.returncode == 0, res.stderr[-4000:]
+    console = res.stdout + res.stderr
+    assert "progress: step 0/2 0% |" in console and "job 4/4 staleness_threshold=4, sweep ETA" in console
+    assert "\r" not in console and "\x1b" not in console   # into a file: no progress-bar redraws
+    assert "reset prefix cache" not in console             # vLLM's per-update INFO lines (rlexp/console.py)
     sweep = tmp_path / "sweep"
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
         f"{i}_staleness_threshold={k}" for i, k in enumerate((0, 1, 2, 4))]
