@@ -3,11 +3,14 @@ before and after a weight update."""
 
 import asyncio
 import os
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from rlexp.agents.single_turn import render_prompt
+from rlexp.errors import EngineDead
 from rlexp.rollout.weights import RamFileTransport
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 from rlexp.trainer.grpo import GRPOTrainer
@@ -197,3 +200,23 @@ def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_mo
         assert (got[v == 0] - old[len(p):][v == 0]).abs().max() < 1e-4
         assert (got[v == 1] - new[len(p):][v == 1]).abs().max() < 1e-4
         assert (got[v == 1] - old[len(p):][v == 1]).abs().max() > 1e-3  # versions are told apart
+
+
+@pytest.mark.vllm
+def test_a_call_in_flight_when_the_engine_process_dies_raises_engine_dead(tiny_model_path, tokenizer):
+    """vLLM never fails a call into its engine process (collective_rpc, reset_prefix_cache,
+    pause...) that is in flight when the process dies; rlexp's engine raises EngineDead, so the
+    run stops and can resume, instead of waiting forever."""
+
+    async def check(engine):
+        (core,) = [p for p in psutil.Process().children() if "EngineCore" in " ".join(p.cmdline())]
+        core.suspend()  # the call reaches the process and waits there for an answer
+        call = asyncio.create_task(engine.load_weights(Path("/nonexistent"), version=1))
+        await asyncio.sleep(1.0)
+        assert not call.done()
+        for p in [core] + core.children(recursive=True):
+            p.kill()
+        with pytest.raises(EngineDead, match="the vLLM engine process died"):
+            await asyncio.wait_for(call, timeout=60)
+
+    _run_vllm(tiny_model_path, tokenizer, check)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from rlexp.rollout.accounting import BusyMeter, count_generated, one_engine
 from rlexp.sample import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)
+
+_DEAD = ("the vLLM engine process died (killed, out of memory, or crashed; its log is above): "
+         "every request would fail")
+_DEATH_POLL_S = 0.5  # how soon a call into a dead engine gives up
 
 
 @contextlib.contextmanager
@@ -162,8 +167,7 @@ class VLLMEngine:
         )
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
-            with self._engine_alive():
-                await self.llm.collective_rpc("set_idle_spin", args=(spin,))
+            await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
         final, counted, version = None, 0, self.version
         self.busy.enter()
         try:
@@ -198,30 +202,40 @@ class VLLMEngine:
         try:
             yield
         except EngineDeadError as e:
-            raise EngineDead("the vLLM engine process died (killed, out of memory, or crashed; its "
-                             "log is above): every request would fail") from e
+            raise EngineDead(_DEAD) from e
+
+    async def _call(self, call: Awaitable[Any]) -> Any:
+        """Await a call into the engine process (collective_rpc, pause, reset_prefix_cache...).
+        vLLM leaves such a call pending forever if the process dies while it is in flight (its
+        pending utility futures are never failed), so this watches `errored` meanwhile."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=_DEATH_POLL_S)
+                if not task.done() and self.llm.errored:
+                    raise EngineDead(_DEAD)
+            with self._engine_alive():
+                return task.result()
+        finally:
+            task.cancel()
 
     async def pause(self, interrupt: bool) -> None:
         self._running.clear()
         self._interrupts += interrupt
-        with self._engine_alive():
-            await self.llm.pause_generation(mode="abort" if interrupt else "wait")
+        await self._call(self.llm.pause_generation(mode="abort" if interrupt else "wait"))
 
     async def resume(self) -> None:
-        with self._engine_alive():
-            await self.llm.resume_generation()
+        await self._call(self.llm.resume_generation())
         self._running.set()
 
     async def load_weights(self, directory: Path, version: int) -> None:
         """Reload `directory/model.safetensors` in place; from now on tokens carry `version`."""
-        with self._engine_alive():
-            await self.llm.collective_rpc("load_shared_weights", args=(str(directory),))
+        await self._call(self.llm.collective_rpc("load_shared_weights", args=(str(directory),)))
         await self.weights_loaded(version)
 
     async def weights_loaded(self, version: int) -> None:
         """New weights are in place (by whatever transport): from now on tokens carry `version`."""
-        with self._engine_alive():
-            await self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        await self._call(self.llm.reset_prefix_cache())  # cached KV was computed by the old weights
         self.version = version
 
     # vLLM's native weight transfer (rlexp/rollout/vllm_ipc.py, vllm_nccl.py): the engine's side of
@@ -233,30 +247,26 @@ class VLLMEngine:
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        with self._engine_alive():
-            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        await self._call(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
 
     async def start_weight_update(self) -> None:
-        with self._engine_alive():
-            await self.llm.start_weight_update()
+        await self._call(self.llm.start_weight_update())
 
     async def update_weights(self, update_info: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        with self._engine_alive():
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await self._call(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
 
     async def finish_weight_update(self) -> None:
-        with self._engine_alive():
-            await self.llm.finish_weight_update()
+        await self._call(self.llm.finish_weight_update())
 
     async def sleep(self) -> None:
         if self.sleeps:
-            await self.llm.sleep(level=1)
+            await self._call(self.llm.sleep(level=1))
 
     async def wake_up(self) -> None:
         if self.sleeps:
-            await self.llm.wake_up()
+            await self._call(self.llm.wake_up())
 
     def shutdown(self) -> None:
         # Drop the engine now: its destructor calls shutdown again, which fails noisily
