@@ -4,11 +4,13 @@ metrics in MLflow; a multi-turn async run whose trainer worker is SIGKILLed (the
 with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
 behind), resumed with two: every step logged once."""
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -108,6 +110,22 @@ def _trainer_worker(proc) -> psutil.Process:
     return workers[-1]
 
 
+def _descendants_until(proc, wanted, into: list, timeout=30.0) -> set[str]:
+    """Snapshot `proc`'s descendants (Ray's, the replicas', vLLM's) into `into` until every
+    name in `wanted` is among them; a process can be caught between fork and retitling."""
+    deadline = time.monotonic() + timeout
+    while True:
+        into[:] = psutil.Process(proc.pid).children(recursive=True)
+        names = set()
+        for p in into:
+            with contextlib.suppress(psutil.Error):
+                names |= {p.name(), " ".join(p.cmdline())[:40]}
+        if all(any(w in n for n in names) for w in wanted) or time.monotonic() > deadline:
+            assert all(any(w in n for n in names) for w in wanted), names
+            return names
+        time.sleep(0.5)
+
+
 def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_path, models):
     store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
     ckpt = run_dir / "checkpoints"
@@ -129,9 +147,7 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
     started: list[psutil.Process] = []
 
     def kill_driver(proc):
-        started.extend(psutil.Process(proc.pid).children(recursive=True))  # Ray's, replicas', vLLM's
-        names = {" ".join(p.cmdline())[:30] for p in started}
-        assert any("ray::EngineReplica" in n for n in names) and any("VLLM" in n for n in names), names
+        names = _descendants_until(proc, ("ray::EngineReplica", "VLLM::EngineCore"), started)
         assert not any("ray::TrainerWorker" in n for n in names), names
         proc.send_signal(signal.SIGKILL)
 
