@@ -36,7 +36,8 @@ def install(tool: str, lock: Path, work: Path) -> float:
         subprocess.run([*pip, "--no-cache-dir", f"uv=={_uv_version(lock)}"], check=True)
         indexes = subprocess.run([py, str(HERE / "scripts/pins.py"), "index-args", "cpu"], check=True,
                                  capture_output=True, text=True).stdout.split()
-        sync = [uv, "pip", "sync", "-q", "--python", py, "--cache-dir", str(cache)]
+        # --compile-bytecode as scripts/install.sh: pip writes .pyc files too
+        sync = [uv, "pip", "sync", "-q", "--compile-bytecode", "--python", py, "--cache-dir", str(cache)]
         subprocess.run([*sync, *indexes, str(lock)], check=True)
     else:
         subprocess.run([*pip, "--cache-dir", str(cache), "-r", str(lock)], check=True)
