@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 _DEAD = ("the vLLM engine process died (killed, out of memory, or crashed; its log is above): "
          "every request would fail")
 _DEATH_POLL_S = 0.5  # how soon a call into a dead engine gives up
+SHUTDOWN_TIMEOUT_S = 20.0  # for the engine process to exit by itself before vLLM kills it
 
 
 @contextlib.contextmanager
@@ -275,7 +276,10 @@ class VLLMEngine:
         if llm is None:
             return
         try:
-            llm.shutdown()
+            # vLLM's default 5 s is less than its engine process needs to tear down (its
+            # worker alone takes ~3 s to exit on 2 cores): it then SIGKILLs the engine
+            # mid-teardown and warns. A dead engine process is not waited for.
+            llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         finally:
             reaper.stop(self._reaper)
             orphans.remove(self._temp, self._temp_lock)
