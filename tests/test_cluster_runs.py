@@ -112,7 +112,8 @@ def _trainer_worker(proc) -> psutil.Process:
 
 def _descendants_until(proc, wanted, into: list, timeout=30.0) -> set[str]:
     """Snapshot `proc`'s descendants (Ray's, the replicas', vLLM's) into `into` until every
-    name in `wanted` is among them; a process can be caught between fork and retitling."""
+    name in `wanted` is among them; a process can be caught between fork and retitling. A
+    name (/proc/<pid>/comm) has at most 15 characters: `wanted` matches it or the cmdline."""
     deadline = time.monotonic() + timeout
     while True:
         into[:] = psutil.Process(proc.pid).children(recursive=True)
@@ -147,7 +148,10 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
     started: list[psutil.Process] = []
 
     def kill_driver(proc):
-        names = _descendants_until(proc, ("ray::EngineReplica", "VLLM::EngineCore"), started)
+        # Stopped first: steps 3 and 4 take seconds, so a running driver can finish the run
+        # (its processes gone) while they are being listed; stopped, it keeps them all.
+        proc.send_signal(signal.SIGSTOP)
+        names = _descendants_until(proc, ("ray::EngineRep", "VLLM::EngineCo"), started)
         assert not any("ray::TrainerWorker" in n for n in names), names
         proc.send_signal(signal.SIGKILL)
 
