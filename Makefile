@@ -1,13 +1,14 @@
 # make run   - create .venv (first time) and run the default experiment
 # make test  - create .venv (first time), check the pins, lint (ruff, mypy), run the whole test suite
 # make lock  - re-resolve the pins (requirements/*.in -> requirements/*.txt)
+# make docs  - serve the docs site on http://127.0.0.1:8000 (make test builds it --strict)
 # make ui    - open the MLflow UI on this directory's runs
 # make bench - rollout-overhead benchmark
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test pins lint lock browser ui bench clean
+.PHONY: install run test pins lint lock browser docs docs-check ui bench clean
 
 $(STAMP): scripts/install.sh pyproject.toml requirements/cpu.txt requirements/gpu.txt
 	bash scripts/install.sh
@@ -29,12 +30,19 @@ pins: $(STAMP)
 lock:
 	bash scripts/lock.sh
 
-test: pins lint browser
+test: pins lint docs-check browser
 	$(PY) -m pytest
 
 # Headless Chromium for the MLflow UI test; best effort: without it that test is skipped.
 browser:
 	-bash scripts/install_chromium.sh || echo "chromium not installed: the MLflow UI browser test will be skipped"
+
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0, which rlexp does not use.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
+docs-check: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir .cache/site
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port 5000
