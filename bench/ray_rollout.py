@@ -73,9 +73,10 @@ def main() -> None:
     from hydra.utils import instantiate
     from transformers import AutoTokenizer
 
-    from rlexp.agents.single_turn import render_prompt, request_seed
+    from rlexp.agents.single_turn import request_seed
+    from rlexp.chat.render import render_prompt
     from rlexp.cluster import LocalCluster
-    from rlexp.rollout.weights import RamFileTransport
+    from rlexp.weights.ram_file import RamFileTransport
 
     extra = [f"rollout.max_response_tokens={args.max_tokens}"] if args.max_tokens else []
     # Both Ray clusters share one local Ray: 3 replica bundles of 1 logical CPU (placement only)

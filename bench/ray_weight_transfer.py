@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_config, default_model, median  # noqa: E402
 from weight_sync import llama_135m  # noqa: E402
 
-from rlexp.cluster.transports import ObjectStoreTransport  # noqa: E402
-from rlexp.rollout.weights import RamFileTransport  # noqa: E402
 from rlexp.sample import SamplingConfig  # noqa: E402
+from rlexp.weights.object_store import ObjectStoreTransport  # noqa: E402
+from rlexp.weights.ram_file import RamFileTransport  # noqa: E402
 
 PROBE = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=8, seed=1234)
 
@@ -111,7 +111,7 @@ async def bench_model(name: str, path: str, replicas: int, reps: int, rollout: s
     from hydra.utils import instantiate
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlexp.agents.single_turn import render_prompt
+    from rlexp.chat.render import render_prompt
 
     model = AutoModelForCausalLM.from_pretrained(path)  # the trainer's weights
     sd = model.state_dict()

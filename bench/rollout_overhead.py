@@ -29,7 +29,8 @@ from hydra.utils import instantiate
 from transformers import AutoTokenizer
 
 import rlexp.config  # noqa: F401  (registers the config resolvers)
-from rlexp.agents.single_turn import SingleTurnAgent, render_prompt, request_seed
+from rlexp.agents.single_turn import SingleTurnAgent, request_seed
+from rlexp.chat.render import render_prompt
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.judges.math_exact import MathExactJudge

@@ -1,11 +1,12 @@
-"""Checkpoints: `<run dir>/checkpoints/step_<N>/`, written atomically, the newest `keep_last` kept.
+"""A run's directory: its resolved config (`rlexp_config.yaml`, what `resume=` reads back) and
+its checkpoints, `checkpoints/step_<N>/`, written atomically, the newest `keep_last` kept.
 
 A checkpoint is everything a run needs to continue as if it had never stopped:
 
     model.safetensors   policy weights  } written by the trainer (`Trainer.save`); the engine
     trainer.pt          optimizer, lr   } is reloaded from the weights on resume
-    state.pt            the loop's: step, policy version, data positions, scheduler state
-                        (groups waiting or in flight), RNG states, sample-id counter
+    state.pt            the loop's `RunState`: step, policy version, data positions and sample
+                        numbering, scheduler state (groups waiting or in flight), RNG states
     meta.json           step, MLflow run id, time; written last
 
 It is assembled in a hidden temporary directory and renamed into place: a crash while
@@ -22,17 +23,67 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
 
-from rlexp.errors import CheckpointError
-from rlexp.protocols import Trainer
+from rlexp.data.manager import DataManager
+from rlexp.errors import CheckpointError, ConfigError
+from rlexp.protocols import Scheduler, Trainer
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"step_(\d+)$")
+RUN_CONFIG = "rlexp_config.yaml"  # a run's resolved config, in its run dir: what `resume=` reads
+
+
+@dataclass
+class RunState:
+    """The loop's part of a checkpoint (the trainer writes its own): `capture`d at a checkpoint,
+    `read` and restored on resume, so that the run continues as if it had never stopped."""
+
+    step: int  # the last step whose metrics, evaluation and checkpoint are complete
+    version: int  # the policy version the engine serves
+    data: dict  # the train split's position and sample numbering (DataManager.state_dict)
+    eval_data: dict
+    scheduler: dict  # groups waiting, in flight or set aside; counts not logged yet
+    rng: dict  # python, numpy, torch (and CUDA) generators
+    path: Path | None = None  # the checkpoint it was read from
+    run_id: str | None = None  # its MLflow run (meta.json)
+
+    @classmethod
+    def capture(cls, step: int, version: int, data: DataManager, eval_data: DataManager,
+                scheduler: Scheduler) -> RunState:
+        return cls(step, version, data.state_dict(), eval_data.state_dict(), scheduler.state_dict(),
+                   rng_state())
+
+    def serialize(self) -> bytes:
+        """Snapshot now (the async producer keeps mutating live objects); write later."""
+        saved = [f.name for f in fields(self) if f.name not in ("path", "run_id")]
+        return serialize({name: getattr(self, name) for name in saved})
+
+    @classmethod
+    def read(cls, path: str | Path) -> RunState:
+        meta, state = load(path)
+        return cls(**state, path=Path(path), run_id=meta["mlflow_run_id"])
+
+    def restore_data(self, data: DataManager, eval_data: DataManager) -> None:
+        """Positions in both splits; cheap, and before any engine starts: a dataset that
+        changed since the checkpoint is a config error."""
+        try:
+            data.load_state_dict(self.data)
+            eval_data.load_state_dict(self.eval_data)
+        except ValueError as e:
+            raise ConfigError(f"resume from {self.path}: {e}") from e
+
+    def restore(self, scheduler: Scheduler) -> None:
+        """The scheduler's groups and counts, then the RNGs: last, once everything built since
+        the start has drawn from them."""
+        scheduler.load_state_dict(self.scheduler)
+        set_rng_state(self.rng)
 
 
 def rng_state() -> dict:
@@ -73,6 +124,21 @@ def latest_checkpoint(run_dir: str | Path) -> Path:
     if not found:
         raise CheckpointError(f"{run_dir}: no checkpoint (looked for checkpoints/step_<N>/meta.json)")
     return found[-1][1]
+
+
+def find_run(resume: str, search: str | Path) -> tuple[Path, Path]:
+    """`resume=<run dir>` or `resume=latest` (the run under `search` checkpointed last): the
+    run's dir (its config is `RUN_CONFIG` there) and its newest checkpoint."""
+    run_dir = latest_run_dir(search) if resume == "latest" else Path(resume)
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise CheckpointError(f"resume={resume}: {run_dir / RUN_CONFIG} not found (not an rlexp run dir?)")
+    return run_dir, latest_checkpoint(run_dir)
+
+
+def save_run_config(run_dir: str | Path, cfg: DictConfig) -> None:
+    """The resolved config, for `find_run` and `resume=` to read back."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, Path(run_dir) / RUN_CONFIG, resolve=True)
 
 
 def latest_run_dir(search: str | Path) -> Path:

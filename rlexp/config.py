@@ -15,6 +15,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from rlexp.constraints import Fraction
 from rlexp.errors import CheckpointError, ConfigError
 from rlexp.guards import GUARDS
 from rlexp.signatures import static_signature
@@ -36,22 +37,16 @@ def _job_dirname(sweep_dir: str, num: int, overrides) -> str:
 OmegaConf.register_new_resolver("rlexp.job_dirname", _job_dirname, replace=True)
 
 
-RUN_CONFIG = "rlexp_config.yaml"  # a run's resolved config, in its run dir: what `resume=` reads
-
-
 def resume_config(resume: str, overrides: list[str], search_dir: Path) -> tuple[DictConfig, Path, Path]:
-    """`resume=<run dir>` or `resume=latest` (the run under `search_dir` checkpointed last):
-    that run's saved config, its dir, and its newest checkpoint. Other `key=value` overrides
-    on the command line apply on top (e.g. `trainer.total_steps=600` to extend a run); a key
-    of a non-default group option composes only with that choice repeated (`judge=faulty
-    judge.raise_rate=0`). Switching a config group is refused."""
-    from rlexp.checkpoint import latest_checkpoint, latest_run_dir
+    """`resume=<run dir>` or `resume=latest` (`checkpoint.find_run`): that run's saved config,
+    its dir, and its newest checkpoint. Other `key=value` overrides on the command line apply
+    on top (e.g. `trainer.total_steps=600` to extend a run); a key of a non-default group
+    option composes only with that choice repeated (`judge=faulty judge.raise_rate=0`).
+    Switching a config group is refused."""
+    from rlexp.checkpoint import RUN_CONFIG, find_run
 
     try:
-        run_dir = latest_run_dir(search_dir) if resume == "latest" else Path(resume)
-        if not (run_dir / RUN_CONFIG).is_file():
-            raise ConfigError(f"resume={resume}: {run_dir / RUN_CONFIG} not found (not an rlexp run dir?)")
-        ckpt = latest_checkpoint(run_dir)
+        run_dir, ckpt = find_run(resume, search_dir)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     cfg = OmegaConf.load(run_dir / RUN_CONFIG)
@@ -87,6 +82,7 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     check_arguments(cfg, static=static)
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
+    check_value("max_failure_fraction", _get(cfg, "max_failure_fraction"), Fraction)
     check_value("trainer.optimizer.lr", _get(cfg, "trainer.optimizer.lr"), Annotated[float, Gt(0)])
     samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
     if samples % minibatches:
@@ -111,11 +107,10 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
 
 
 def _check_cluster(cfg: DictConfig) -> None:
-    from rlexp.rollout.accounting import one_engine
-
     on_ray = "ray" in str(OmegaConf.select(cfg, "cluster._target_") or "")
-    if not on_ray:
-        one_engine(OmegaConf.select(cfg, "rollout.replicas") or 1)
+    replicas = OmegaConf.select(cfg, "rollout.replicas") or 1
+    if replicas != 1 and not on_ray:  # an engine class builds one engine; replicas are a pool's
+        raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")
     workers = OmegaConf.select(cfg, "trainer.workers") or 1
     if workers > 1 and not on_ray:
         raise ConfigError(f"trainer.workers={workers} runs the trainer's ranks as Ray actors: "

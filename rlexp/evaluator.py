@@ -32,7 +32,7 @@ class Evaluator:
         done = [s for s in batch if s.status == Status.COMPLETED]
         groups: dict[int, list[float]] = defaultdict(list)
         for s in done:
-            groups[s.group_id].append(s.reward_components.get("correct", float(s.reward > 0)))
+            groups[s.group_id].append(s.correct)
         n = self.samples_per_prompt
         metrics = {
             # Failed or aborted samples count as wrong: the denominator is every eval sample.

@@ -10,15 +10,15 @@ Who owns what:
   passes it to the scheduler (which batch trains it), the trainer (staleness per token) and
   the weight transport (the engine then serves that version); nobody else counts it.
 - the trainer owns its weights and optimizer, and writes them into a checkpoint (`save`/`load`);
-  the loop saves the rest beside them: step, version, data positions, scheduler, RNGs.
-- the weight transport carries the trainer's weights to the engine (rlexp/rollout/weights.py).
+  the loop saves the rest beside them (`checkpoint.RunState`: step, version, data positions
+  and sample numbering, scheduler, RNGs), captured and restored in that one place.
+- the weight transport carries the trainer's weights to the engine (rlexp/weights/).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import logging
 import random
 import time
@@ -26,23 +26,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rlexp import checkpoint
 from rlexp.chat import tool_prompt
+from rlexp.checkpoint import RunState
 from rlexp.cluster import build_cluster
-from rlexp.config import RUN_CONFIG, derived
+from rlexp.config import derived
 from rlexp.data.manager import DataManager
-from rlexp.errors import ConfigError, EngineDead, RunStopped, TrainerDead
+from rlexp.errors import EngineDead, RunStopped, TrainerDead
 from rlexp.guards import AgentGuard, JudgeGuard
-from rlexp.metrics import failure_report, rollout_metrics
+from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
 from rlexp.progress import Progress, SweepPosition
-from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer, WeightTransport
-from rlexp.sample import Sample, set_uid_counter, uid_counter
+from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer
+from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.weights.protocols import WeightTransport
 
 log = logging.getLogger("rlexp")
 
@@ -107,7 +109,6 @@ class RLLoop:
         self.progress: Progress | None = None
         self.version = 0  # the policy version the engine serves (weight versions published)
         self.start_step = 0
-        self.resume_state: dict | None = None
         self.tracker: Tracker | None = None
         self.engine: RolloutEngine | None = None
         self.agent: Agent | None = None
@@ -120,14 +121,15 @@ class RLLoop:
     async def execute(self, tags: dict[str, str] | None = None, resume_from: Path | None = None,
                       inputs: Inputs | None = None) -> dict[str, float]:
         """setup -> (restore) -> train -> cleanup. A run that raised is marked FAILED in
-        MLflow, its metrics kept."""
-        self.setup_inputs(resume_from, inputs)
-        self.start_tracking(tags or {}, resume_from)
+        MLflow, its metrics kept. `resume_from`: the checkpoint to continue from."""
+        resumed = RunState.read(resume_from) if resume_from is not None else None
+        self.setup_inputs(resumed, inputs)
+        self.start_tracking(tags or {}, resumed)
         status, error = "FAILED", None
         try:
             await self.setup_components()
-            if resume_from is not None:
-                await self.restore(resume_from)
+            if resumed is not None:
+                await self.restore(resumed)
             gc.collect()  # everything built so far lives for the whole run: move it out of the
             gc.freeze()   # cyclic GC's reach, so full collections stay cheap (else ~0.3 s stalls)
             final = await self.train()
@@ -144,9 +146,9 @@ class RLLoop:
             await self.cleanup(status, error)
 
     # ---- setup ------------------------------------------------------------------------
-    def setup_inputs(self, resume_from: Path | None, inputs: Inputs | None = None) -> None:
-        """Data, model, tokenizer: cheap, and bad input must fail before any engine starts
-        (`inputs`: what rlexp.preflight already loaded)."""
+    def setup_inputs(self, resumed: RunState | None, inputs: Inputs | None = None) -> None:
+        """Data (at the checkpoint's position when `resumed`), model, tokenizer: cheap, and bad
+        input must fail before any engine starts (`inputs`: what rlexp.preflight already loaded)."""
         cfg = self.cfg
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -156,19 +158,14 @@ class RLLoop:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if not inputs.lengths_checked:
             check_lengths(cfg, inputs, self.tokenizer)
-        if resume_from is not None:
-            self.meta, self.resume_state = checkpoint.load(resume_from)
-            try:
-                self.data.load_state_dict(self.resume_state["data"])
-                self.eval_data.load_state_dict(self.resume_state["eval_data"])
-            except ValueError as e:
-                raise ConfigError(f"resume from {resume_from}: {e}") from e
+        if resumed is not None:
+            resumed.restore_data(self.data, self.eval_data)
 
-    def start_tracking(self, tags: dict[str, str], resume_from: Path | None) -> None:
+    def start_tracking(self, tags: dict[str, str], resumed: RunState | None) -> None:
         self.tracker = tracker = build(self.cfg, "logger")
         # Before the run starts: a Ray cluster that cannot place the replicas is a config error.
         self.cluster = build_cluster(self.cfg)
-        if resume_from is None:
+        if resumed is None:
             tracker.tags = tags
             sizes = derived(self.cfg)
             log.info("derived: %s", sizes)
@@ -179,17 +176,14 @@ class RLLoop:
                 extra["chat.tool_prompt"] = path = tool_prompt.resolve(self.tokenizer, asked)
                 log.info("tool specs: %s path (agent.tool_prompt=%s)", path, asked)
             tracker.start(self.cfg, extra_params=extra)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            OmegaConf.save(self.cfg, self.run_dir / RUN_CONFIG, resolve=True)  # what `resume=` reads back
+            checkpoint.save_run_config(self.run_dir, self.cfg)
         else:
-            assert self.resume_state is not None
-            tracker.resume(self.meta["mlflow_run_id"], self.resume_state["step"], tags)
+            tracker.resume(resumed.run_id, resumed.step, tags)
 
     async def setup_components(self) -> None:
         cfg, tokenizer = self.cfg, self.tokenizer
         # The transport first: it may refuse this machine (no CUDA), and it may configure the engine.
-        takes_cluster = "cluster" in inspect.signature(get_object(cfg.weight_transfer._target_)).parameters
-        self.transport = build(cfg, "weight_transfer", **({"cluster": self.cluster} if takes_cluster else {}))
+        self.transport = build(cfg, "weight_transfer", cluster=self.cluster)  # every transport takes it
         log.info("building %-16s on cluster=%s", "rollout", self.cluster.name)
         self.engine = engine = self.cluster.rollout_engine(cfg.rollout, self.model_path, self.transport)
         judge = build_guarded(cfg, "judge", JudgeGuard)
@@ -202,18 +196,15 @@ class RLLoop:
                  cfg.trainer.get("workers", 1), self.cluster.name)
         self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
 
-    async def restore(self, path: Path) -> None:
-        """Trainer, engine weights, policy version, scheduler, RNGs and sample ids as they
-        were at the checkpoint."""
-        assert self.trainer and self.engine and self.transport and self.scheduler and self.resume_state
-        state = self.resume_state
-        self.trainer.load(path)
-        self.version = state["version"]
+    async def restore(self, resumed: RunState) -> None:
+        """Trainer, engine weights, policy version, scheduler and RNGs as they were at the
+        checkpoint (the data's position was restored with the inputs)."""
+        assert self.trainer and self.engine and self.transport and self.scheduler and resumed.path
+        self.trainer.load(resumed.path)
+        self.version = resumed.version
         await self.transport.transfer(self.trainer.weights(), self.engine, self.version)
-        self.scheduler.load_state_dict(state["scheduler"])
-        checkpoint.set_rng_state(state["rng"])
-        set_uid_counter(state["next_uid"])
-        self.start_step = state["step"]
+        resumed.restore(self.scheduler)
+        self.start_step = resumed.step
         log.info("resumed at step %d (policy version %d)", self.start_step, self.version)
 
     # ---- the loop ---------------------------------------------------------------------
@@ -228,9 +219,11 @@ class RLLoop:
         self.progress = Progress(total, self.start_step, self.sweep)
         if self.start_step == 0:
             final = await self.evaluate(0)
+        agent = GeneratedLengths(self.agent)  # every length generated, beside the ones trained
         for step in range(self.start_step + 1, total + 1):
-            batch, metrics = await rl_step(self.scheduler, self.data, self.agent, self.engine, self.trainer,
+            batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
                                            self.transport, self.version)
+            metrics |= agent.pop_metrics()
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)
             self.tracker.log_samples(batch, step, self.tokenizer.decode)
@@ -242,7 +235,7 @@ class RLLoop:
             self.progress.update(step, metrics["rollout/reward_mean"])
             if step % self.evaluator.every_n_steps == 0 or step == total:
                 final = await self.evaluate(step)
-            limit = self.scheduler.max_failure_fraction
+            limit = self.cfg.max_failure_fraction
             too_many_failed = metrics["samples/failed_frac"] > limit
             if too_many_failed or (every_ckpt and (step % every_ckpt == 0 or step == total)):
                 path = await self.save_checkpoint(step)
@@ -271,10 +264,7 @@ class RLLoop:
         scheduler's rollouts go on meanwhile)."""
         assert self.tracker and self.scheduler and self.trainer
         self.tracker.flush()
-        state = checkpoint.serialize({
-            "step": step, "version": self.version, "data": self.data.state_dict(),
-            "eval_data": self.eval_data.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(), "next_uid": uid_counter()})
+        state = RunState.capture(step, self.version, self.data, self.eval_data, self.scheduler).serialize()
         return await asyncio.to_thread(checkpoint.save, self.run_dir, step, self.trainer, state,
                                        self.tracker.run_id, self.cfg.checkpoint.keep_last)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from rlexp.protocols import Agent
 from rlexp.sample import Sample, Status
 
 
@@ -28,8 +29,8 @@ def rollout_metrics(batch: list[Sample], version: int) -> dict[str, float]:
     agent_metrics = {k: sum(v) / len(v) if k.endswith("_mean") else sum(v) for k, v in extra.items()}
     return agent_metrics | {
         "rollout/reward_mean": sum(s.reward for s in done) / n,
-        "rollout/accuracy": sum(s.reward_components.get("correct", 0.0) for s in done) / n,
-        "rollout/response_length_mean": sum(s.response_length for s in done) / n,
+        "rollout/accuracy": sum(s.correct for s in done) / n,
+        **length_stats([s.response_length for s in done], "rollout/response_length"),  # trained
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in done) / n,
         "rollout/tokens": float(tokens),
         **{f"samples/{st.value}": float(counts.get(st.value, 0)) for st in Status},
@@ -42,10 +43,43 @@ def rollout_metrics(batch: list[Sample], version: int) -> dict[str, float]:
     }
 
 
+def length_stats(lengths: list[int], prefix: str) -> dict[str, float]:
+    """Mean, median and 90th percentile of response lengths (0 without any)."""
+    xs = sorted(lengths) or [0]
+    return {f"{prefix}_mean": sum(xs) / len(xs), f"{prefix}_p50": float(xs[len(xs) // 2]),
+            f"{prefix}_p90": float(xs[min(len(xs) - 1, 9 * len(xs) // 10)])}
+
+
+class GeneratedLengths:
+    """An Agent passing rollouts through to `agent`, keeping the response length of every
+    sample it completed, trained or not (filtered, expired, or waiting for a later batch).
+    `pop_metrics`: their distribution since the last call, logged beside the trained batch's
+    (`rollout/response_length_*`); a scheduler that trains some lengths more often than it
+    generates them (long rollouts expiring, or lost on resume) shows as a gap between them."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self.lengths: list[int] = []
+
+    async def rollout(self, sample: Sample) -> Sample | list[Sample]:
+        out = await self.agent.rollout(sample)
+        self.lengths += [s.response_length for s in (out if isinstance(out, list) else [out])
+                         if s.status == Status.COMPLETED]
+        return out
+
+    async def aclose(self) -> None:
+        await self.agent.aclose()
+
+    def pop_metrics(self) -> dict[str, float]:
+        lengths, self.lengths = self.lengths, []
+        return {"rollout/generated_samples": float(len(lengths)),
+                **length_stats(lengths, "rollout/generated_response_length")}
+
+
 def failure_report(batch: list[Sample], step: int, limit: float, checkpoint: str, run_dir: str) -> str:
     failed = [s for s in batch if s.error]
     reasons = Counter(s.error for s in failed).most_common(3)
     listed = "; ".join(f"{n}x {r}" for r, n in reasons)
     return (f"step {step}: {len(failed)} of {len(batch)} samples failed, more than "
-            f"scheduler.max_failure_fraction={limit} (most common: {listed}). Checkpoint saved to "
+            f"max_failure_fraction={limit} (most common: {listed}). Checkpoint saved to "
             f"{checkpoint}. Fix the cause, then resume: python -m rlexp.run resume={run_dir}")

@@ -22,9 +22,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from rlexp.agents.single_turn import encode
 from rlexp.chat import tool_prompt
-from rlexp.chat.session import render_chat
+from rlexp.chat.render import encode, render_chat
 from rlexp.config import validate, validate_data, validate_lengths
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError

@@ -6,13 +6,14 @@ same methods fits (no base classes to inherit).
       |     '-- Agent    rollout(sample) -> Sample(s), talking to the RolloutEngine, scored by a Judge
       |-- Trainer        fit(batch, version); weights() for publication; save(dir) / load(dir)
       |-- WeightTransport  trainer.weights() -> engine, tagged with the version they become
+      |                  (rlexp/weights/protocols.py, with what a transport asks of an engine)
       |-- Evaluator      metrics(eval batch)
       '-- Tracker        params, metrics, traces (MLflow)
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
     from rlexp.data.manager import DataManager
     from rlexp.rollout.accounting import BusyMeter
     from rlexp.sample import Generation, Sample, SamplingConfig
-
-NamedTensors = Iterable[tuple[str, "torch.Tensor"]]
-
 
 class RolloutEngine(Protocol):
     """Token ids in; token ids and the logprobs they were sampled with out."""
@@ -56,22 +54,6 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-class LoadsWeightFiles(Protocol):
-    """An engine that can reload its weights from a directory holding `model.safetensors`."""
-
-    async def load_weights(self, directory: Path, version: int) -> None: ...
-
-
-class WeightTransport(Protocol):
-    """Carries one version of the trainer's weights into a rollout engine. `weights` yields
-    full tensors by name, one at a time (a sharded trainer gathers each as it is asked for).
-    The engine serves `version` once this returns."""
-
-    async def transfer(self, weights: NamedTensors, engine: Any, version: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class Tool(Protocol):
     """A function the policy may call (rlexp/tools/): an OpenAI tool `spec`, and the call."""
 
@@ -84,7 +66,9 @@ class Tool(Protocol):
 
 class Judge(Protocol):
     async def score(self, sample: Sample) -> Sample:
-        """Set `reward` and `reward_components`."""
+        """Set `reward` and `reward_components`, with `correct` (1.0 or 0.0) among them where
+        the judge decides correctness (`Sample.correct` reads it; agents ask a judge, never
+        decide it themselves)."""
         ...
 
 
@@ -98,8 +82,6 @@ class Agent(Protocol):
 
 
 class Scheduler(Protocol):
-    max_failure_fraction: float  # more failed samples in a step: the loop stops the run
-
     async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
         """The next batch to train policy `version` on."""
         ...

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -45,22 +44,6 @@ class Generation:
     def version(self) -> int:
         """The oldest policy version among the tokens (the engine's version if there are none)."""
         return min(self.versions, default=-1)
-
-
-_uids = itertools.count()
-
-
-def uid_counter() -> int:
-    """The next Sample uid; a resumed run continues the numbering (uids stay unique per run)."""
-    global _uids
-    n = next(_uids)
-    _uids = itertools.count(n)
-    return n
-
-
-def set_uid_counter(n: int) -> None:
-    global _uids
-    _uids = itertools.count(n)
 
 
 def staleness(trained_version: int, generated_version: int) -> int:
@@ -130,7 +113,7 @@ class Sample:
     finish_reason: str = ""
     status: Status = Status.INIT
     metadata: dict[str, Any] = field(default_factory=dict)
-    uid: int = field(default_factory=lambda: next(_uids))
+    uid: int = -1  # numbered by the DataManager that drew it (unique in its split); -1: made by hand
 
     # Read-only views of the trace's lists (the trace alone writes them).
     tokens = _FromTrace[list[int]]("tokens")
@@ -147,6 +130,12 @@ class Sample:
     def oldest_version(self) -> int:
         policy = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(policy) if policy else -1
+
+    @property
+    def correct(self) -> float:
+        """THE definition of a correct answer (1.0 or 0.0): the judge's `correct` reward
+        component, else (an agent that returned its own reward) whether the reward is positive."""
+        return self.reward_components.get("correct", float(self.reward > 0))
 
     @property
     def error(self) -> str | None:

@@ -100,6 +100,8 @@ class VersionOnlyTransport:
     """A WeightTransport for fake engines and trainers, which have no weights: it consumes
     the trainer's (empty) weights and tells the engine the new version."""
 
+    engine_backend = None
+
     async def transfer(self, weights, engine, version: int) -> None:
         assert not list(weights)
         await engine.load_weights(None, version)

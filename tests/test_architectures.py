@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlexp.agents.single_turn import render_prompt
 from rlexp.chat.client import SessionStore
+from rlexp.chat.render import render_prompt
 from rlexp.models.arch import FAMILIES, LAYOUTS, build_arch_model
 from rlexp.sample import Generation, Sample, SamplingConfig, Status, TokenTrace
 from tests.fakes import ScriptedEngine
@@ -357,8 +357,8 @@ def _change(old, new) -> float:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_logprobs_match_the_trainer_before_and_after_a_weight_sync(served):
-    from rlexp.rollout.weights import RamFileTransport
     from rlexp.trainer.grpo import GRPOTrainer
+    from rlexp.weights.ram_file import RamFileTransport
 
     tok, engine = served.tokenizer, served.engine
     trainer = GRPOTrainer(served.path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
@@ -421,7 +421,7 @@ def test_vllm_in_place_reload_leaves_the_rotary_tables_alone():
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.model_loader.reload import layerwise
 
-    from rlexp.rollout.vllm_worker import skip_derived_buffers
+    from rlexp.weights.vllm_private import skip_derived_buffers
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -458,7 +458,7 @@ def test_vllm_tool_call_through_the_template_and_the_system_prompt(served, path)
     without tool support gets; on the served Llama also through SmolLM2's template, `auto`)."""
     import copy
 
-    from rlexp.chat.session import render_chat
+    from rlexp.chat.render import render_chat
     from rlexp.chat.tool_prompt import tools_system_text as tool_prompt_text
     from rlexp.tools.calculator import Calculator
 

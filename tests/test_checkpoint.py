@@ -1,20 +1,20 @@
-"""Checkpoint files, atomic saves, state round trips, and truncating a resumed run's metrics
-in a real SQLite MLflow store. (Whole runs killed and resumed: test_resume.py.)"""
+"""Checkpoint files, atomic saves and state round trips. (A resumed run's MLflow run:
+test_tracking.py; whole runs killed and resumed: test_resume.py.)"""
 
 import asyncio
 import random
 
-import mlflow
 import pytest
 import torch
-from mlflow.tracking import MlflowClient
 
 from rlexp import checkpoint
-from rlexp.errors import CheckpointError
+from rlexp.data.manager import DataManager
+from rlexp.data.sources import ArithmeticSource
+from rlexp.errors import CheckpointError, ConfigError
 from rlexp.loop import rl_step
-from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.schedulers.async_scheduler import AsyncScheduler
-from rlexp.tracking.mlflow_tracker import truncate_metrics
+from rlexp.schedulers.sync import SyncScheduler
+from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
 from tests.fakes import TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 
@@ -100,7 +100,33 @@ def test_data_manager_continues_where_it_stopped():
     b.load_state_dict(a.state_dict())
     prompts = [[s.prompt for s in g] for g in a.sample_groups(8)]
     assert prompts == [[s.prompt for s in g] for g in b.sample_groups(8)]
-    assert a.sample_groups(1)[0][0].group_id == b.sample_groups(1)[0][0].group_id == 128
+    (ga,), (gb,) = a.sample_groups(1), b.sample_groups(1)
+    assert ga[0].group_id == gb[0].group_id == 128
+    assert [s.uid for s in ga] == [s.uid for s in gb] == [128 * 4 + i for i in range(4)]  # numbering goes on
+
+
+def test_run_state_round_trip_through_a_checkpoint(tmp_path):
+    """What `RunState.capture` saves, `read` and `restore` put back: the step, the policy
+    version, both splits' positions and numbering, the scheduler's state, the RNGs."""
+    data, eval_data, scheduler = _data(), _data(), SyncScheduler()
+    data.sample_groups(3)
+    state = checkpoint.RunState.capture(5, 4, data, eval_data, scheduler).serialize()
+    draws = (random.random(), torch.rand(2).tolist())
+    path = checkpoint.save(tmp_path, 5, TensorTrainer(), state, "run123", keep_last=0)
+
+    resumed = checkpoint.RunState.read(path)
+    assert (resumed.step, resumed.version, resumed.run_id, resumed.path) == (5, 4, "run123", path)
+    data2, eval2, scheduler2 = _data(), _data(), SyncScheduler()
+    resumed.restore_data(data2, eval2)
+    resumed.restore(scheduler2)
+    assert (random.random(), torch.rand(2).tolist()) == draws
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    (g,) = data2.sample_groups(1)
+    assert [s.uid for s in g] == [12, 13, 14, 15] and g[0].group_id == 3
+    other = DataManager(ArithmeticSource(max_operand=9, ops="+", eval_size=10, seed=0),
+                        prompts_per_step=4, samples_per_prompt=4, seed=0)
+    with pytest.raises(ConfigError, match=f"resume from {path}: .* the dataset changed"):
+        resumed.restore_data(other, eval2)
 
 
 def test_data_manager_refuses_a_changed_dataset():
@@ -142,21 +168,3 @@ def test_async_scheduler_state_restores_waiting_and_in_flight_groups():
     assert waiting <= set(gids[8:])  # what was waiting or in flight got trained after the restore
     for v, batch in enumerate(trainer.batches):
         assert max(s.staleness(v) for s in batch) <= 2
-
-
-def test_truncate_metrics_leaves_each_step_once(tmp_path):
-    uri = f"sqlite:///{tmp_path}/m.db"
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment("t")
-    with mlflow.start_run() as run:
-        for step in range(1, 6):
-            mlflow.log_metrics({"loss": float(step), "eval": 10.0 * step}, step=step)
-    mlflow.set_tracking_uri(uri)
-    with mlflow.start_run(run_id=run.info.run_id):
-        assert truncate_metrics(run.info.run_id, 3) == 4  # steps 4, 5 of both keys
-        client = MlflowClient(uri)
-        assert client.get_run(run.info.run_id).data.metrics["loss"] == 3.0  # latest value rolled back
-        mlflow.log_metrics({"loss": -4.0}, step=4)
-    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
-    assert sorted(history) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, -4.0)]
-    assert client.get_run(run.info.run_id).data.metrics == {"loss": -4.0, "eval": 30.0}

@@ -64,6 +64,8 @@ BAD_OVERRIDES = [
     ("trainer.lr_schedule=linear", "trainer.lr_schedule must be one of constant, cosine"),
     ("agent=multiturn agent.max_turns=0", "agent.max_turns must be >= 1"),
     ("agent=tool agent.on_prefix_break=ignore", "agent.on_prefix_break must be one of split, restart"),
+    ("agent=tool agent.tool_prompt=sometimes", "agent.tool_prompt must be one of auto, template, system_"),
+    ("rollout.replicas=2", "rollout.replicas=2 runs several engines as Ray actors: add cluster=ray"),
     ("agent=openai agent.entrypoint=nope.mod:fn", "agent.entrypoint 'nope.mod:fn' cannot be loaded"),
     ("scheduler=async scheduler.staleness_threshold=-1", "scheduler.staleness_threshold must be >= 0"),
     ("scheduler=async scheduler.tail_batch_candidate_step=1", "go on together"),
@@ -86,7 +88,7 @@ BAD_OVERRIDES = [
     ("evaluator.prompts=0", "evaluator.prompts must be >= 1, got 0"),
     ("trainer.ref_kl_every_n_steps=-1", "trainer.ref_kl_every_n_steps must be >= 0, got -1"),
     ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.grpo"),
-    ("scheduler.max_failure_fraction=1.5", "scheduler.max_failure_fraction must be <= 1"),
+    ("max_failure_fraction=1.5", "max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
 ]
 

@@ -6,10 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from rlexp.agents.single_turn import render_prompt
-from rlexp.rollout.weights import RamFileTransport
+from rlexp.chat.render import render_prompt
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.weights.ram_file import RamFileTransport
 
 TEMPERATURE = 0.7
 

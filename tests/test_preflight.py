@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra.utils import get_object
 
-from rlexp.agents.single_turn import render_prompt
+from rlexp.chat.render import render_prompt
 from rlexp.config import _signature, validate
 from rlexp.errors import ConfigError
 from rlexp.preflight import LightTokenizer

@@ -1,10 +1,14 @@
-"""Every component fits the Protocol it is held by (rlexp/protocols.py): here at run time,
-method by method, and statically by mypy (`make lint` type-checks this file too)."""
+"""Every component fits the Protocol it is held by (rlexp/protocols.py, rlexp/weights/protocols.py,
+rlexp/cluster Cluster): here at run time, method by method and attribute by attribute, from the
+classes alone (no engine, Ray or vLLM started), and statically by mypy (`make lint` type-checks
+this file too)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
-from typing import TYPE_CHECKING
+import textwrap
+from typing import TYPE_CHECKING, Protocol
 
 import pytest
 
@@ -14,36 +18,85 @@ from rlexp.agents.multiturn import MultiTurnAgent
 from rlexp.agents.openai_agent import OpenAIAgent
 from rlexp.agents.single_turn import SingleTurnAgent
 from rlexp.agents.tool import ToolAgent
+from rlexp.cluster import Cluster, LocalCluster
+from rlexp.cluster.pool import RolloutPool
+from rlexp.cluster.ray_cluster import RayCluster
+from rlexp.cluster.trainer_group import TrainerGroup
 from rlexp.evaluator import Evaluator
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
 from rlexp.judges.math_exact import MathExactJudge, MultiTurnJudge
 from rlexp.rollout.hf_engine import HFEngine
 from rlexp.rollout.vllm_engine import VLLMEngine
-from rlexp.rollout.weights import RamFileTransport
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
 from rlexp.tracking.mlflow_tracker import MlflowTracker
 from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.weights import protocols as W
+from rlexp.weights.object_store import ObjectStoreTransport
+from rlexp.weights.ram_file import RamFileTransport
+from rlexp.weights.vllm_ipc import VllmIpcTransport
+from rlexp.weights.vllm_nccl import VllmNcclTransport
 
+TRANSPORTS = (RamFileTransport, ObjectStoreTransport, VllmIpcTransport, VllmNcclTransport)
 FITS = [
-    (VLLMEngine, P.RolloutEngine), (HFEngine, P.RolloutEngine),
-    (VLLMEngine, P.LoadsWeightFiles), (HFEngine, P.LoadsWeightFiles),
-    (RamFileTransport, P.WeightTransport),
+    (VLLMEngine, P.RolloutEngine), (HFEngine, P.RolloutEngine), (RolloutPool, P.RolloutEngine),
+    *[(engine, W.LoadsWeightFiles) for engine in (VLLMEngine, HFEngine, RolloutPool)],
+    (RolloutPool, W.LoadsWeightObjects),
+    (VLLMEngine, W.LoadsNativeWeights), (RolloutPool, W.LoadsNativeWeights),
+    *[(transport, W.WeightTransport) for transport in TRANSPORTS],
+    (LocalCluster, Cluster), (RayCluster, Cluster),
     *[(agent, P.Agent) for agent in (SingleTurnAgent, MultiTurnAgent, ToolAgent, OpenAIAgent,
                                       FaultyAgent, AgentGuard)],
     *[(judge, P.Judge) for judge in (MathExactJudge, MultiTurnJudge, FaultyJudge, JudgeGuard)],
     (SyncScheduler, P.Scheduler), (AsyncScheduler, P.Scheduler),
-    (GRPOTrainer, P.Trainer), (Evaluator, P.Evaluator), (MlflowTracker, P.Tracker),
+    (GRPOTrainer, P.Trainer), (TrainerGroup, P.Trainer),
+    (Evaluator, P.Evaluator), (MlflowTracker, P.Tracker),
     (Calculator, P.Tool), (PythonExpression, P.Tool),
 ]
 
 
+def _protocol_classes(protocol) -> list[type]:
+    """The protocol and the protocols it extends (Cluster extends ClusterShape)."""
+    return [c for c in protocol.__mro__ if c not in (Protocol, object) and getattr(c, "_is_protocol", False)]
+
+
 def _methods(protocol) -> dict:
-    return {name: member for name, member in vars(protocol).items()
+    return {name: member for c in _protocol_classes(protocol) for name, member in vars(c).items()
             if inspect.isfunction(member) and (not name.startswith("_") or name == "__call__")}
+
+
+def _attributes(protocol) -> set[str]:
+    """Annotated attributes and read-only properties."""
+    names: set[str] = set()
+    for c in _protocol_classes(protocol):
+        names |= set(vars(c).get("__annotations__", {}))
+        names |= {name for name, member in vars(c).items() if isinstance(member, property)}
+    return names
+
+
+def _set_on_self(cls: type) -> set[str]:
+    """Names a class (or a class it inherits from) sets on `self` in `__init__`."""
+    names: set[str] = set()
+    for c in cls.__mro__:
+        init = vars(c).get("__init__")
+        if init is None or not inspect.isfunction(init):
+            continue
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init)))):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self":
+                        names.add(t.attr)
+    return names
+
+
+def _has_attribute(cls: type, name: str) -> bool:
+    in_class = any(name in vars(c) or name in vars(c).get("__annotations__", {}) for c in cls.__mro__)
+    return in_class or name in _set_on_self(cls)
 
 
 @pytest.mark.parametrize("impl, protocol", FITS, ids=lambda x: x.__name__)
@@ -57,7 +110,26 @@ def test_every_method_of_the_protocol_is_there_with_its_parameters(impl, protoco
         assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(wanted), name
 
 
-def test_the_check_catches_a_component_that_does_not_fit():
+@pytest.mark.parametrize("impl, protocol", [(i, p) for i, p in FITS if _attributes(p)],
+                         ids=lambda x: x.__name__)
+def test_every_attribute_of_the_protocol_is_set(impl, protocol):
+    """Set on the class, or on `self` in `__init__` (read from the source: nothing is built)."""
+    for name in _attributes(protocol):
+        assert _has_attribute(impl, name), f"{impl.__name__} sets no {name}"
+
+
+def test_the_protocols_with_attributes_are_checked_for_them():
+    assert _attributes(P.RolloutEngine) == {"version", "sampling", "max_model_len", "busy"}
+    assert _attributes(W.WeightTransport) == {"engine_backend"}
+    assert _attributes(Cluster) == {"name", "multi_node", "placement", "trainer_workers"}
+    assert "shutdown" in _methods(Cluster) and "rollout_engine" in _methods(Cluster)
+
+
+def test_the_transports_name_the_engine_side_they_need():
+    assert [t.engine_backend for t in TRANSPORTS] == [None, None, "ipc", "nccl"]
+
+
+def test_the_checks_catch_a_component_that_does_not_fit():
     class OldJudge:
         def score(self, sample):  # not async
             return sample
@@ -65,16 +137,49 @@ def test_the_check_catches_a_component_that_does_not_fit():
     with pytest.raises(AssertionError, match="score"):
         test_every_method_of_the_protocol_is_there_with_its_parameters(OldJudge, P.Judge)
 
+    class Transport:  # the methods, but no engine_backend
+        def __init__(self):
+            self.backend = None
+
+        async def transfer(self, weights, engine, version): ...
+
+        def close(self): ...
+
+    test_every_method_of_the_protocol_is_there_with_its_parameters(Transport, W.WeightTransport)
+    with pytest.raises(AssertionError, match="engine_backend"):
+        test_every_attribute_of_the_protocol_is_set(Transport, W.WeightTransport)
+
+    class Engine(Transport):
+        engine_backend = None
+
+        def __init__(self):
+            super().__init__()
+            self.version, self.sampling = 0, None  # no max_model_len, no busy
+
+    test_every_attribute_of_the_protocol_is_set(Engine, W.WeightTransport)
+    with pytest.raises(AssertionError, match="max_model_len|busy"):
+        test_every_attribute_of_the_protocol_is_set(Engine, P.RolloutEngine)
+
 
 if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit its Protocol
-    def _engines(v: VLLMEngine, h: HFEngine) -> list[P.RolloutEngine]:
-        return [v, h]
+    def _engines(v: VLLMEngine, h: HFEngine, p: RolloutPool) -> list[P.RolloutEngine]:
+        return [v, h, p]
 
-    def _loaders(v: VLLMEngine, h: HFEngine) -> list[P.LoadsWeightFiles]:
-        return [v, h]
+    def _loaders(v: VLLMEngine, h: HFEngine, p: RolloutPool) -> list[W.LoadsWeightFiles]:
+        return [v, h, p]
 
-    def _transport(t: RamFileTransport) -> P.WeightTransport:
-        return t
+    def _native(v: VLLMEngine, p: RolloutPool) -> tuple[list[W.LoadsNativeWeights], W.LoadsWeightObjects]:
+        return [v, p], p
+
+    def _transports(a: RamFileTransport, b: ObjectStoreTransport, c: VllmIpcTransport,
+                    d: VllmNcclTransport) -> list[W.WeightTransport]:
+        return [a, b, c, d]
+
+    def _clusters(a: LocalCluster, b: RayCluster) -> list[Cluster]:
+        return [a, b]
+
+    def _shapes(a: LocalCluster, b: RayCluster) -> list[W.ClusterShape]:
+        return [a, b]
 
     def _agents(a: SingleTurnAgent, b: MultiTurnAgent, c: ToolAgent, d: OpenAIAgent, e: FaultyAgent,
                 f: AgentGuard) -> list[P.Agent]:
@@ -86,8 +191,12 @@ if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit it
     def _schedulers(a: SyncScheduler, b: AsyncScheduler) -> list[P.Scheduler]:
         return [a, b]
 
-    def _rest(t: GRPOTrainer, e: Evaluator, m: MlflowTracker) -> tuple[P.Trainer, P.Evaluator, P.Tracker]:
-        return t, e, m
+    def _trainers(a: GRPOTrainer, b: TrainerGroup) -> list[P.Trainer]:
+        return [a, b]
+
+    def _rest(e: Evaluator, m: MlflowTracker) -> tuple[P.Evaluator, P.Tracker]:
+        return e, m
 
     def _tools(a: Calculator, b: PythonExpression) -> list[P.Tool]:
         return [a, b]
+

@@ -1,4 +1,4 @@
-"""vLLM's native weight transfer (rlexp/rollout/vllm_ipc.py, vllm_nccl.py) into a local engine
+"""vLLM's native weight transfer (rlexp/weights/vllm_ipc.py, vllm_nccl.py) into a local engine
 and into a RolloutPool of Ray actors (cluster=ray): placement=colocate over CUDA IPC,
 placement=split over NCCL. The GPU tests skip without CUDA (NCCL's without two GPUs); the
 unmarked ones check, on CPU, which transport `weight_transfer=auto` picks and how a transport
@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from rlexp.cluster.pool import RolloutPool
-from rlexp.cluster.transports import ObjectStoreTransport, auto_transport
-from rlexp.rollout import vllm_ipc
-from rlexp.rollout.weights import RamFileTransport
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights import vllm_native
+from rlexp.weights.auto import auto_transport
+from rlexp.weights.object_store import ObjectStoreTransport
+from rlexp.weights.protocols import in_process
+from rlexp.weights.ram_file import RamFileTransport
 from tests.test_engines import TEMPERATURE, _check_engine, _max_logprob_diff, _prompts, _trainer
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -28,18 +30,19 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                ("split", "VllmNcclTransport")])
 def test_auto_picks_vllms_native_transfer_on_gpu(monkeypatch, placement, chosen):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    transport = auto_transport(SimpleNamespace(name="ray", placement=placement, multi_node=False))
+    cluster = SimpleNamespace(name="ray", placement=placement, multi_node=False, trainer_workers=1)
+    transport = auto_transport(cluster)
     assert type(transport).__name__ == chosen
     assert transport.engine_backend == {"colocate": "ipc", "split": "nccl"}[placement]
 
 
 def test_auto_without_gpu_and_native_transports_refuse_cpu(monkeypatch):
-    from rlexp.rollout.vllm_ipc import VllmIpcTransport
-    from rlexp.rollout.vllm_nccl import VllmNcclTransport
+    from rlexp.weights.vllm_ipc import VllmIpcTransport
+    from rlexp.weights.vllm_nccl import VllmNcclTransport
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for multi_node, chosen in ((False, RamFileTransport), (True, ObjectStoreTransport)):
-        cluster = SimpleNamespace(name="ray", placement="split", multi_node=multi_node)
+        cluster = SimpleNamespace(name="ray", placement="split", multi_node=multi_node, trainer_workers=1)
         assert isinstance(auto_transport(cluster), chosen)
     for transport in (VllmIpcTransport, VllmNcclTransport):
         with pytest.raises(RuntimeError, match="needs CUDA"):
@@ -108,13 +111,13 @@ def test_pool_sync_connects_each_replica_once_and_a_restarted_one_at_the_next_sy
                                                                                    backend):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from rlexp.rollout.vllm_ipc import VllmIpcTransport
-    from rlexp.rollout.vllm_nccl import VllmNcclTransport
+    from rlexp.weights.vllm_ipc import VllmIpcTransport
+    from rlexp.weights.vllm_nccl import VllmNcclTransport
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
                         lambda info, *, client, source: FakeSender(info, client, source))
-    monkeypatch.setattr(vllm_ipc, "_on_weights_gpu", lambda source: contextlib.nullcontext())
+    monkeypatch.setattr(vllm_native, "_on_weights_gpu", lambda source: contextlib.nullcontext())
     FakeSender.made = []
     connect = (["init_weight_transfer_engine"] if backend == "ipc"
                else ["workers", "init_weight_transfer_engine"])
@@ -135,10 +138,7 @@ def test_pool_sync_connects_each_replica_once_and_a_restarted_one_at_the_next_sy
         b.dies = True  # two requests at once: one per replica (least loaded)
         gens = await asyncio.gather(*(pool.generate([0], pool.sampling) for _ in range(2)))
         assert all(g.versions == [2] for g in gens)  # b's request retried on a
-        for _ in range(100):  # the pool's recovery of b, in the background
-            if pool.restarts == [0, 1]:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.gather(*pool._recovering.values())  # the pool's recovery of b, in the background
         assert pool.restarts == [0, 1]
         # The pool replayed the last sync for the restarted replica: nothing to send it, and
         # it says so; it serves the model's weights as version 0 until the next sync.
@@ -161,16 +161,19 @@ def test_pool_sync_connects_each_replica_once_and_a_restarted_one_at_the_next_sy
 def test_a_failed_update_drops_the_sender_and_raises_the_engines_error(monkeypatch):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from rlexp.rollout.vllm_nccl import VllmNcclTransport
+    from rlexp.weights.vllm_nccl import VllmNcclTransport
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init",
                         lambda info, *, client, source: FakeSender(info, client, source))
-    monkeypatch.setattr(vllm_ipc, "_on_weights_gpu", lambda source: contextlib.nullcontext())
+    monkeypatch.setattr(vllm_native, "_on_weights_gpu", lambda source: contextlib.nullcontext())
     FakeSender.made = []
 
     class Engine:  # a local engine whose worker fails while receiving
         version = 0
+
+        async def load_weights_native(self, send, version):
+            await send(in_process(self))
 
         async def workers(self):
             return 1
@@ -210,7 +213,8 @@ def trainer_gpu():
 
 @contextlib.contextmanager
 def _ray_pool(placement: str, model_path: str, rollout_gpus: int):
-    ray = pytest.importorskip("ray")
+    import ray
+
     from rlexp.cluster.ray_cluster import RayCluster
 
     ray.init(num_gpus=rollout_gpus, num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
@@ -270,7 +274,7 @@ async def _sync_restart_sync(pool, transport, trainer, initial, tokenizer):
 @pytest.mark.ray
 def test_colocate_pool_syncs_over_cuda_ipc(tiny_model_path, tokenizer):
     """The trainer on cuda:0, the one replica too (Ray is given one GPU)."""
-    from rlexp.rollout.vllm_ipc import VllmIpcTransport
+    from rlexp.weights.vllm_ipc import VllmIpcTransport
 
     trainer, initial = _trainer(tiny_model_path), _trainer(tiny_model_path)
     with _ray_pool("colocate", tiny_model_path, rollout_gpus=1) as (pool, transport):
@@ -283,7 +287,7 @@ def test_colocate_pool_syncs_over_cuda_ipc(tiny_model_path, tokenizer):
 @pytest.mark.vllm
 @pytest.mark.ray
 def test_split_pool_syncs_over_nccl(tiny_model_path, tokenizer, trainer_gpu):
-    from rlexp.rollout.vllm_nccl import VllmNcclTransport
+    from rlexp.weights.vllm_nccl import VllmNcclTransport
 
     trainer, initial = _trainer(tiny_model_path), _trainer(tiny_model_path)
     with _ray_pool("split", tiny_model_path, rollout_gpus=trainer_gpu) as (pool, transport):
@@ -297,7 +301,7 @@ def test_split_pool_syncs_over_nccl(tiny_model_path, tokenizer, trainer_gpu):
 def test_nccl_transport_into_a_local_engine(tiny_model_path, tokenizer, trainer_gpu):
     """cluster=local: vLLM's engine on cuda:0, the trainer on the last GPU."""
     from rlexp.rollout.vllm_engine import VLLMEngine
-    from rlexp.rollout.vllm_nccl import VllmNcclTransport
+    from rlexp.weights.vllm_nccl import VllmNcclTransport
 
     trainer = _trainer(tiny_model_path)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
@@ -21,8 +22,8 @@ from tests.test_run import _history, _traces
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
-# Not compared: wall-clock measurements.
-TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac")
+# Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
+TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac", "memory/")
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +213,7 @@ def test_injected_faults_are_counted_and_the_run_goes_on(tmp_path, models):
     _finish(_cmd(tmp_path, tmp_path / "out", models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
                  "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.guard.timeout_s=3",
                  "judge=faulty", "judge.raise_rate=0.1", "judge.nan_rate=0.1", "judge.hang_rate=0.1",
-                 "judge.guard.timeout_s=1", "scheduler.max_failure_fraction=0.9"), tmp_path / "run.log")
+                 "judge.guard.timeout_s=1", "max_failure_fraction=0.9"), tmp_path / "run.log")
     c, run = _run(tmp_path)
     assert run.info.status == "FINISHED"
     assert _steps(c, run, "train/loss") == [1, 2, 3]
@@ -233,7 +234,7 @@ def test_too_many_failures_checkpoint_stop_and_resume_after_the_fix(tmp_path, mo
                  "judge=faulty", "judge.raise_rate=1.0"), log, expect=3)
     out = log.read_text()
     assert ("rlexp: run stopped: step 1: 16 of 16 samples failed, more than "
-            "scheduler.max_failure_fraction=0.5 (most common: 16x judge raised InjectedFault: "
+            "max_failure_fraction=0.5 (most common: 16x judge raised InjectedFault: "
             "injected judge fault)") in out
     assert (run_dir / "checkpoints" / "step_1" / "meta.json").is_file()
     c, run = _run(tmp_path)
@@ -242,3 +243,81 @@ def test_too_many_failures_checkpoint_stop_and_resume_after_the_fix(tmp_path, mo
     c, run = _run(tmp_path)
     assert run.info.status == "FINISHED" and _steps(c, run, "train/loss") == [2, 3]  # 1: nothing to train
     assert _history(c, run, "samples/failed_frac") == [1.0, 0.0, 0.0]
+
+
+def _kill_at_first_checkpoint(cmd, log, run_dir: Path, holds) -> tuple[int, dict]:
+    """Start `cmd`; as each checkpoint appears, stop the run's whole process group (SIGSTOP)
+    and read the checkpoint's state: at the first one that `holds`, SIGKILL the group (a dying
+    node), else let the run go on (SIGCONT). Returns that checkpoint's step and state."""
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            for step in range(1, STEPS):
+                path = run_dir / "checkpoints" / f"step_{step}"
+                _wait_for(path / "meta.json", proc)
+                os.killpg(proc.pid, signal.SIGSTOP)
+                state = torch.load(path / "state.pt", weights_only=False)
+                print(f"checkpoint {step}:", {k: len(state["scheduler"][k]) for k in GROUP_STATES})
+                if holds(state):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return step, state
+                os.killpg(proc.pid, signal.SIGCONT)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    pytest.fail(f"no checkpoint of steps 1..{STEPS - 1} held what the test needs")
+
+
+GROUP_STATES = ("accepted", "in_flight", "set_aside")  # the async scheduler's groups not trained yet
+
+
+def _group_ids(state: dict) -> list[int]:
+    return [r.fresh[0].group_id for k in GROUP_STATES for r in state["scheduler"][k]]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp_path, models):
+    """SIGKILLed right after a checkpoint that holds groups both waiting for a batch and in
+    flight, then resumed: every prompt group the run drew is trained exactly once or still
+    pending in the final checkpoint (nothing can expire: the staleness bound is the run's
+    length), and the lengths generated and trained are logged side by side every step."""
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", "agent=multiturn", "judge=multiturn",
+           "rollout.max_model_len=256", "scheduler=async", f"scheduler.staleness_threshold={STEPS}",
+           f"trainer.total_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
+           f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
+           "logger.experiment_name=test", f"model.cache_dir={models}", "model.warm_start_steps=40",
+           f"hydra.run.dir={run_dir}"]
+    killed_at, killed = _kill_at_first_checkpoint(
+        cmd, log, run_dir, lambda s: s["scheduler"]["accepted"] and s["scheduler"]["in_flight"])
+    _finish(_resume_cmd(run_dir), log)
+
+    c, run = _run(store)
+    assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "1"
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
+    per_prompt = 4  # experiment=smoke: 4 prompts x 4 samples a step
+    trained: dict[int, int] = {}  # group id -> the step that trained it
+    for step in range(1, STEPS + 1):
+        rows = _traces(c, run, step)
+        assert all(r["uid"] // per_prompt == r["group_id"] for r in rows)  # numbering kept across the kill
+        groups = {r["group_id"] for r in rows}
+        assert len(groups) == 4, (step, groups)
+        for gid in groups:
+            assert gid not in trained, f"group {gid} trained at step {trained[gid]} and again at {step}"
+            trained[gid] = step
+    final = torch.load(run_dir / "checkpoints" / f"step_{STEPS}" / "state.pt", weights_only=False)
+    pending = _group_ids(final)
+    assert len(pending) == len(set(pending)) and not set(pending) & set(trained)
+    drawn = final["data"]["next_group"]
+    assert sum(_history(c, run, "samples/expired")) == 0
+    lost = set(range(drawn)) - set(trained) - set(pending)
+    assert not lost, f"groups drawn but neither trained nor pending: {sorted(lost)}"
+    for gid in _group_ids(killed):  # waiting or in flight at the kill: trained after the resume
+        assert trained.get(gid, STEPS + 1) > killed_at, gid
+    for key in ("rollout/generated_response_length_mean", "rollout/generated_response_length_p90",
+                "rollout/response_length_mean", "rollout/response_length_p90"):
+        assert _steps(c, run, key) == list(range(1, STEPS + 1)), key
+    assert sum(_history(c, run, "rollout/generated_samples")) > 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlexp.agents.single_turn import render_prompt
+from rlexp.chat.render import render_prompt
 from rlexp.models.tiny import build_char_tokenizer, build_tiny_model
 from tests.conftest import TINY_KW
 

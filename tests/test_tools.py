@@ -88,3 +88,32 @@ def test_multiturn_agent_stops_when_right(tokenizer):
     engine = ScriptedEngine(tokenizer, ["46", "0"])
     (s,) = asyncio.run(MultiTurnAgent(engine, tokenizer, MultiTurnJudge()).rollout(_task()))
     assert len(engine.calls) == 1 and s.reward == 1.0
+
+
+class RuleJudge:
+    """A judge with its own rule of correctness, recording what it was asked to score."""
+
+    def __init__(self, correct_replies: set[str]):
+        self.correct_replies = correct_replies
+        self.seen: list[str] = []
+
+    async def score(self, s):
+        reply = s.response_text.removesuffix("<|im_end|>")  # a reply's text keeps its stop token
+        self.seen.append(reply)
+        s.reward = float(reply in self.correct_replies)
+        s.reward_components = {"correct": s.reward}
+        return s
+
+
+@pytest.mark.parametrize("replies, correct, calls", [
+    (["0.5", "1/2"], {"0.5"}, 1),  # right by the judge's rule, though not the reference's text
+    (["1/2", "0.5"], {"0.5"}, 2),  # the reference's text, wrong by the judge's rule: feedback
+])
+def test_multiturn_agent_asks_its_judge_whether_an_answer_is_correct(tokenizer, replies, correct, calls):
+    engine = ScriptedEngine(tokenizer, replies)
+    judge = RuleJudge(correct)
+    (s,) = asyncio.run(MultiTurnAgent(engine, tokenizer, judge, max_turns=3).rollout(_task(answer="1/2")))
+    assert len(engine.calls) == calls and s.reward == 1.0
+    assert judge.seen[:calls] == replies[:calls]  # each reply judged once as it came, then the sample
+    feedback = [tokenizer.decode(prompt).count("Incorrect, try again.") for prompt, _ in engine.calls]
+    assert feedback == list(range(calls))

@@ -59,7 +59,7 @@ def _trainer(path, lr=1e-3, **kw):
 
 
 def _batch(tokenizer, texts):
-    from rlexp.agents.single_turn import render_prompt
+    from rlexp.chat.render import render_prompt
 
     out = []
     for gid, (q, responses) in enumerate(texts):
@@ -120,8 +120,6 @@ def test_lr_schedules():
     assert cos(10) == pytest.approx(1.0) and cos(60) == pytest.approx(0.55)
     assert cos(110) == pytest.approx(0.1) and cos(500) == pytest.approx(0.1)
     assert lr_factor("constant", 0, 100)(99) == 1.0
-    with pytest.raises(ValueError, match="lr_schedule"):
-        lr_factor("linear", 0, 10)
 
 
 def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, tokenizer):

@@ -1,12 +1,18 @@
 """The RAM-file weight transport's file: standard safetensors, rewritten in place, tied
-tensors stored once."""
+tensors stored once; the object store's arrays as a replica receives them; which cluster each
+transport refuses."""
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors import safe_open
 
-from rlexp.rollout.weights import WEIGHTS_FILE, RamFileTransport, read_shared
+from rlexp.errors import ConfigError
+from rlexp.weights.files import WEIGHTS_FILE, read_shared
+from rlexp.weights.object_store import ObjectStoreReceiver, ObjectStoreTransport, to_arrays
+from rlexp.weights.ram_file import RamFileTransport
 
 
 class Recorder:
@@ -56,3 +62,32 @@ def test_each_sync_overwrites_the_same_file_in_place():
         assert torch.equal(engine.loaded["layer.weight"], weights["layer.weight"])
     finally:
         transport.close()
+
+
+def test_the_object_store_path_round_trips_dtypes_and_tied_names_into_the_replicas_file():
+    """Both halves without Ray: the arrays `ray.put` would store, and what a replica's
+    ObjectStoreReceiver loads from them (through a RAM file of its own)."""
+    weights = _tied_weights() | {"half": torch.randn(3, 2).to(torch.bfloat16)}
+    arrays = to_arrays(iter(weights.items()))
+    assert arrays["lm_head.weight"][1] is arrays["embed.weight"][1]  # stored once
+    engine, receiver = Recorder(), ObjectStoreReceiver()
+    try:
+        asyncio.run(receiver.load(arrays, engine, 5))
+        assert engine.version == 5 and engine.loaded.keys() == weights.keys()
+        assert engine.loaded["half"].dtype == torch.bfloat16
+        assert all(torch.equal(engine.loaded[k], v) for k, v in weights.items())
+    finally:
+        receiver.close()
+
+
+def test_a_transport_refuses_a_cluster_it_cannot_reach():
+    one_node = SimpleNamespace(name="local", multi_node=False, placement="split", trainer_workers=1)
+    other_nodes = SimpleNamespace(name="ray", multi_node=True, placement="split", trainer_workers=1)
+    with pytest.raises(ConfigError, match="object_store"):
+        RamFileTransport(cluster=other_nodes)
+    with pytest.raises(ConfigError, match="cluster=ray"):
+        ObjectStoreTransport(cluster=one_node)
+    ObjectStoreTransport(cluster=other_nodes).close()
+    transport = RamFileTransport(cluster=one_node)
+    transport.close()
+    assert not transport.directory.exists()

@@ -10,18 +10,13 @@ run) fails the same samples."""
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Callable
 
 from rlexp.constraints import Fraction
 from rlexp.errors import InjectedFault
+from rlexp.faults import fault_draw
 from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
-
-
-def fault_draw(seed: int, sample: Sample, salt: str) -> float:
-    """A number in [0, 1) fixed by the seed, the sample's own seed and who draws it."""
-    return random.Random(f"{seed}:{salt}:{sample.metadata.get('seed', sample.uid)}").random()
 
 
 class FaultyAgent:

@@ -1,4 +1,6 @@
-"""MultiTurnAgent: answer, get environment feedback, try again (up to `max_turns`).
+"""MultiTurnAgent: answer, get environment feedback, try again (up to `max_turns`). Whether
+an answer was correct is its judge's call (`Sample.correct` of the conversation so far), so
+the feedback follows the same rule as the reward.
 
 It talks to the policy through the token-tracked, OpenAI-shaped client, so the training
 sample holds exactly the tokens the engine saw and produced: prompts and feedback with
@@ -10,7 +12,6 @@ from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
 from rlexp.constraints import AtLeast1
-from rlexp.judges.math_exact import extract_answer, normalize
 from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
@@ -33,8 +34,9 @@ class MultiTurnAgent:
                 reply = await rec.client.chat.completions.create(messages=messages, seed=seed)
                 choice = reply.choices[0]
                 messages.append({"role": "assistant", "content": choice.message.content})
-                correct = extract_answer(choice.message.content or "") == normalize(sample.answer)
-                if correct or choice.finish_reason == "length":
+                if turn == self.max_turns - 1 or choice.finish_reason == "length":
+                    break
+                if (await self.judge.score(rec.newest(sample))).correct:
                     break
                 messages.append({"role": "user", "content": self.feedback})
         samples = rec.samples(sample)

@@ -4,25 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rlexp.chat.render import encode, render_prompt_text
 from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Text to token ids, adding no special tokens (a chat template writes them as text, so
-    none is added twice). A fast tokenizer encodes one text directly: its batch path
-    (`tokenizer.encode`) wakes a thread pool per call, which cost ~0.9 ms a prompt while
-    vLLM held the other core (~0.05 ms alone)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return backend.encode(text, add_special_tokens=False).ids
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def render_prompt(tokenizer, messages) -> list[int]:
-    """Chat-template the prompt messages into token ids."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return encode(tokenizer, text)
 
 
 def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:
@@ -36,22 +20,23 @@ def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:
 
 
 class PromptCache:
-    """Chat-templated prompt ids by message content: the samples of a group share one
-    prompt, so it is rendered once per group, not once per sample."""
+    """Chat-templated prompts (text, token ids) by message content: the samples of a group
+    share one prompt, so it is rendered once per group, not once per sample."""
 
     def __init__(self, tokenizer, max_entries: int = 8192):
         self.tokenizer = tokenizer
         self.max_entries = max_entries
-        self._ids: dict[tuple, list[int]] = {}
+        self._rendered: dict[tuple, tuple[str, list[int]]] = {}
 
-    def __call__(self, messages: list[dict[str, str]]) -> list[int]:
+    def __call__(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         key = tuple((m["role"], m["content"]) for m in messages)
-        ids = self._ids.get(key)
-        if ids is None:
-            if len(self._ids) >= self.max_entries:
-                self._ids.clear()
-            ids = self._ids[key] = render_prompt(self.tokenizer, messages)
-        return list(ids)
+        rendered = self._rendered.get(key)
+        if rendered is None:
+            if len(self._rendered) >= self.max_entries:
+                self._rendered.clear()
+            text = render_prompt_text(self.tokenizer, messages)
+            rendered = self._rendered[key] = (text, encode(self.tokenizer, text))
+        return rendered[0], list(rendered[1])
 
 
 class SingleTurnAgent:
@@ -64,13 +49,15 @@ class SingleTurnAgent:
         self.render = PromptCache(tokenizer)
 
     async def rollout(self, sample: Sample) -> Sample:
-        prompt = self.render(sample.prompt)
+        text, prompt = self.render(sample.prompt)
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
         gen = await self.engine.generate(prompt, sampling)
         sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         sample.trace = TokenTrace()
-        sample.trace.append(prompt, role="prompt")
-        sample.trace.append(gen.token_ids, role="assistant", text=sample.response_text, generation=gen)
+        sample.trace.append(prompt, role="prompt", text=text)
+        # a turn's text is what its span decodes to, special tokens included (as on every agent)
+        sample.trace.append(gen.token_ids, role="assistant", generation=gen,
+                            text=self.tokenizer.decode(gen.token_ids, skip_special_tokens=False))
         sample.finish_reason = gen.finish_reason
         if gen.finish_reason == "abort":
             sample.status = Status.ABORTED

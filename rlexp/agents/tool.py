@@ -10,11 +10,9 @@ from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
-from rlexp.protocols import Judge, RolloutEngine, Tool
+from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
-from rlexp.tools import tool_classes
-from rlexp.tools.calculator import Calculator
-from rlexp.tools.python_sandbox import PythonExpression
+from rlexp.tools import build_tools
 
 
 class ToolAgent:
@@ -22,11 +20,7 @@ class ToolAgent:
                  max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
                  tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,
                  on_prefix_break: PrefixBreak = "split", tool_prompt: ToolPrompt = "auto"):
-        unknown = set(tools) - set(tool_classes())
-        if unknown:
-            raise ValueError(f"agent.tools: unknown tool(s) {sorted(unknown)}; have {sorted(tool_classes())}")
-        available: dict[str, Tool] = {"calculator": Calculator(), "python": PythonExpression(tool_timeout_s)}
-        self.tools = {name: available[name] for name in tools}
+        self.tools = build_tools(tools, timeout_s=tool_timeout_s)
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.max_turns, self.max_tool_calls = max_turns, max_tool_calls

@@ -23,7 +23,7 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from rlexp.agents.single_turn import encode
+from rlexp.chat.render import encode
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt, resolve
@@ -242,6 +242,11 @@ class Recording:
 
     async def __aexit__(self, *exc) -> None:
         self.session = self.store.close(self.session_id)
+
+    def newest(self, template: Sample) -> Sample:
+        """Inside `async with`: the conversation up to its newest reply as a Sample (a copy of
+        `template`), for the agent's judge to score."""
+        return self.store.get(self.session_id).newest(template)
 
     def samples(self, template: Sample) -> list[Sample]:
         assert self.session is not None, "samples() is for after the `async with` block"

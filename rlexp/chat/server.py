@@ -26,9 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlexp.agents.single_turn import encode
+from rlexp.chat.render import encode, render_chat
 from rlexp.chat.schema import ChatRequest, CompletionRequest, TokenizeRequest, parse
-from rlexp.chat.session import render_chat
 from rlexp.errors import EngineDead, SessionError
 
 log = logging.getLogger(__name__)

@@ -14,33 +14,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-from rlexp.agents.single_turn import encode
-from rlexp.chat.tool_prompt import ToolPath, with_tools_in_system
+from rlexp.chat.render import encode, render_chat
+from rlexp.chat.tool_prompt import ToolPath
 from rlexp.errors import SessionError
 from rlexp.sample import Generation, Sample, Status, TokenTrace
 
 PrefixBreak = Literal["split", "restart"]
-
-
-def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list | None = None,
-                add_generation_prompt: bool = True, tool_prompt: ToolPath = "template") -> str:
-    """The chat template's text for `messages`, with `tools` rendered by the template or in
-    the system prompt (rlexp/chat/tool_prompt.py). The template is fixed and the messages are
-    the caller's, so whatever it raises (jinja2's errors, TypeError on a missing key, its own
-    raise_exception) is a bad request."""
-    kwargs = {}
-    if tools and tool_prompt == "system_prompt":
-        messages = with_tools_in_system(messages, tools)
-    elif tools:
-        kwargs["tools"] = tools
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
-    except Exception as e:
-        raise SessionError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                           param="messages") from e
 
 
 @dataclass
@@ -68,9 +49,6 @@ class ChatSession:
 
     def __init__(self, tokenizer, max_context: int, on_prefix_break: PrefixBreak = "split",
                  tool_prompt: ToolPath = "template"):
-        if on_prefix_break not in get_args(PrefixBreak):
-            raise ValueError(f"on_prefix_break must be one of {get_args(PrefixBreak)}, "
-                             f"got {on_prefix_break!r}")
         self.tokenizer = tokenizer
         self.max_context = max_context
         self.on_prefix_break = on_prefix_break
@@ -143,6 +121,14 @@ class ChatSession:
         """Branches nobody continued and that hold policy tokens: one training sample each."""
         return [b for b in self.branches if b.open and any(b.trace.loss_mask)]
 
+    def newest(self, template: Sample) -> Sample:
+        """The newest completion's branch as a Sample, for a judge to score mid-conversation.
+        A copy: `template` and the session are left as they are."""
+        s = copy.copy(template)
+        s.metadata, s.reward_components = dict(template.metadata), {}
+        _fill(s, self.branches[-1])
+        return s
+
     def to_samples(self, template: Sample) -> list[Sample]:
         """One Sample per leaf; leaves share their common prefix tokens."""
         out = []
@@ -150,10 +136,9 @@ class ChatSession:
             s = copy.copy(template) if i else template
             s.metadata = dict(template.metadata) | {"branch": i, "segment": leaf.segment,
                                                      "prefix_breaks": self.prefix_breaks}
-            s.trace, s.finish_reason = leaf.trace, leaf.finish_reason
+            _fill(s, leaf)
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages
-            s.response_text = next((t["text"] for t in reversed(leaf.trace.turns) if t["mask"]), "")
             s.metadata["metrics"] = {
                 "multiturn/turns_mean": float(sum(t["mask"] for t in leaf.trace.turns)),
                 # counted once per session, on its first sample
@@ -161,3 +146,9 @@ class ChatSession:
             s.status = Status.COMPLETED
             out.append(s)
         return out
+
+
+def _fill(sample: Sample, branch: Branch) -> None:
+    """The branch's tokens, how it ended, and its last reply as the response."""
+    sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
+    sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")

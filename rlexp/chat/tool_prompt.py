@@ -43,8 +43,6 @@ def template_reads_tools(template: str) -> bool:
 
 def resolve(tokenizer, tool_prompt: ToolPrompt) -> ToolPath:
     """The path `tool_prompt` means for this tokenizer's chat template."""
-    if tool_prompt not in ("auto", "template", "system_prompt"):
-        raise ValueError(f"tool_prompt must be auto, template or system_prompt, got {tool_prompt!r}")
     if tool_prompt != "auto":
         return tool_prompt
     template = tokenizer.chat_template

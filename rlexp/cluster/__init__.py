@@ -4,42 +4,61 @@ the trainer's ranks, as Ray actors).
 
 A cluster builds the rollout engine (one engine, or a RolloutPool of replicas behind the
 same Protocol) and the trainer (in this process, or a TrainerGroup behind the same Protocol),
-and says which weight transport fits it (`weight_transfer=auto`)."""
+and shows a weight transport what it needs of it (`Cluster`'s attributes, which
+`weight_transfer=auto` picks by)."""
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
+from typing import Any, Protocol
 
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlexp.protocols import RolloutEngine, Trainer, WeightTransport
+from rlexp.constraints import AtLeast1, Placement
+from rlexp.protocols import RolloutEngine, Trainer
+from rlexp.weights.protocols import ClusterShape, WeightTransport
+
+
+class Cluster(ClusterShape, Protocol):
+    """Where the rollout engines and the trainer run; its attributes (`ClusterShape`) are what
+    a weight transport reads of it."""
+
+    def rollout_engine(self, rollout: DictConfig, model_path: str,
+                       transport: WeightTransport) -> RolloutEngine:
+        """The `rollout` group's engine, or a pool of them, started as `transport` needs."""
+        ...
+
+    def trainer(self, trainer: DictConfig, model_path: str) -> Trainer: ...
+
+    def params(self) -> dict[str, Any]:
+        """What the run logs about the cluster (`cluster.*` params)."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 def engine_spec(rollout: DictConfig, transport: WeightTransport) -> dict[str, Any]:
-    """The rollout group as a plain dict for one engine; a transport that needs the engine's
-    side configured (vLLM's native weight transfer) names its backend."""
+    """The rollout group as a plain dict for one engine, with the weight-transfer backend the
+    transport needs (vLLM's native transfer) where the group leaves it unset."""
     spec: dict[str, Any] = OmegaConf.to_container(rollout, resolve=True)  # type: ignore[assignment]
-    backend = getattr(transport, "engine_backend", None)
+    backend = transport.engine_backend
     if backend and "weight_transfer_backend" in spec and spec["weight_transfer_backend"] is None:
         spec["weight_transfer_backend"] = backend
     return spec
 
 
-def build_cluster(cfg: DictConfig) -> Any:
+def build_cluster(cfg: DictConfig) -> Cluster:
     """The `cluster` group, given what other groups own: the rollout replicas and their GPUs
-    (rollout), the trainer's ranks (trainer) and `placement`. Passed here rather than
-    interpolated in the YAML, so that `resume=... trainer.workers=1` reaches the cluster too
-    (a resumed run's saved config holds resolved values)."""
-    node = cfg.get("cluster")
-    if node is None:
-        return LocalCluster()
+    (rollout), the trainer's ranks (trainer) and `placement`; every cluster takes them.
+    Passed here rather than interpolated in the YAML, so that `resume=... trainer.workers=1`
+    reaches the cluster too (a resumed run's saved config holds resolved values)."""
     owned = {"replicas": cfg.rollout.get("replicas", 1),
              "gpus_per_replica": cfg.rollout.get("gpus_per_replica", 1),
              "placement": cfg.get("placement", "split"), "trainer_workers": cfg.trainer.get("workers", 1)}
-    takes = inspect.signature(get_object(node._target_)).parameters
-    return instantiate(node, **{k: v for k, v in owned.items() if k in takes})
+    node = cfg.get("cluster")
+    if node is None:
+        return LocalCluster(**owned)
+    return instantiate(node, **owned)
 
 
 class LocalCluster:
@@ -47,6 +66,13 @@ class LocalCluster:
 
     name = "local"
     multi_node = False
+
+    def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
+                 trainer_workers: AtLeast1 = 1):
+        """The arguments every cluster is given (`build_cluster`); one process holds one engine and
+        one trainer (config.py refuses more replicas or workers without cluster=ray)."""
+        self.replicas, self.gpus_per_replica = replicas, gpus_per_replica
+        self.placement, self.trainer_workers = placement, trainer_workers
 
     def rollout_engine(self, rollout: DictConfig, model_path: str,
                        transport: WeightTransport) -> RolloutEngine:

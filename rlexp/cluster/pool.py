@@ -27,6 +27,8 @@ from typing import Any
 from rlexp.errors import EngineDead
 from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights.object_store import ObjectStoreReceiver
+from rlexp.weights.protocols import EngineProcess
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class EngineReplica:
         from hydra.utils import instantiate
 
         self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
-        self._local: Any = None  # weights received through the object store land in a RAM file
+        self._received = ObjectStoreReceiver()
 
     def ready(self) -> tuple[str, int, int]:
         """(node id, pid, version): answers once the engine is up."""
@@ -67,14 +69,8 @@ class EngineReplica:
         await self.engine.load_weights(Path(directory), version)
 
     async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
-        """From Ray's object store (`arrays` arrives resolved on this node); written into this
-        replica's own RAM file, then loaded like a local sync."""
-        from rlexp.cluster.transports import from_arrays
-        from rlexp.rollout.weights import RamFileTransport
-
-        if self._local is None:
-            self._local = RamFileTransport()
-        await self._local.transfer(from_arrays(arrays), self.engine, version)
+        """From Ray's object store (`arrays` arrives resolved on this node)."""
+        await self._received.load(arrays, self.engine, version)
 
     async def call_engine(self, method: str, *args: Any) -> Any:
         """A method of the engine by name (vLLM's native weight transfer on GPU)."""
@@ -83,8 +79,7 @@ class EngineReplica:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-        if self._local is not None:
-            self._local.close()
+        self._received.close()
 
 
 def _lost(e: BaseException) -> bool:
@@ -264,7 +259,8 @@ class RolloutPool:
             self._sleeping = False
             await self._fan_out(lambda a: a.wake_up.remote())
 
-    async def update_weights(self, load: Callable[[Any], Awaitable[None]], version: int) -> None:
+    # ---- weights (rlexp/weights/protocols.py: what each transport asks of an engine) -------
+    async def _update_weights(self, load: Callable[[Any], Awaitable[None]], version: int) -> None:
         """Every replica runs `load(actor)` (it serves `version` after); a replica restarted
         later runs the same `load`, so it catches up with the others."""
         async with self._update:
@@ -274,11 +270,22 @@ class RolloutPool:
 
     async def load_weights(self, directory: Path, version: int) -> None:
         """From a file every replica's node can read (RamFileTransport, one node)."""
-        await self.update_weights(lambda a: a.load_weights.remote(str(directory), version), version)
+        await self._update_weights(lambda a: a.load_weights.remote(str(directory), version), version)
 
     async def load_weights_object(self, ref: Any, version: int) -> None:
         """From Ray's object store (ObjectStoreTransport): each replica's node pulls `ref`."""
-        await self.update_weights(lambda a: a.load_weights_object.remote(ref, version), version)
+        await self._update_weights(lambda a: a.load_weights_object.remote(ref, version), version)
+
+    async def load_weights_native(self, send: Callable[[EngineProcess], Awaitable[None]],
+                                  version: int) -> None:
+        """vLLM's native transfer: each replica's engine process, reached through
+        `EngineReplica.call_engine`; a replica Ray restarted is a new process."""
+        async def load(actor: Any) -> None:
+            node, pid, _ = await actor.ready.remote()
+            await send(EngineProcess(actor, (node, pid),
+                                     lambda method, *args: actor.call_engine.remote(method, *args)))
+
+        await self._update_weights(load, version)
 
     # ---- reporting -------------------------------------------------------------------
     def pop_replica_metrics(self) -> dict[str, float]:

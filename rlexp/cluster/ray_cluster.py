@@ -33,9 +33,9 @@ from rlexp.cluster import engine_spec
 from rlexp.cluster.pool import EngineReplica, RolloutPool
 from rlexp.constraints import AtLeast0, AtLeast1, Placement, Positive
 from rlexp.errors import ConfigError, EngineDead
-from rlexp.protocols import WeightTransport
 from rlexp.rollout import reaper
 from rlexp.sample import SamplingConfig
+from rlexp.weights.protocols import WeightTransport
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,9 @@ class RayCluster:
                 ray.kill(a, no_restart=True)
             raise EngineDead(f"a rollout replica failed to start: {e}") from e
         log.info("ray: %d rollout replica(s) up (pids %s)", len(actors), [pid for _, pid, _ in infos])
-        sampling = SamplingConfig(spec.get("temperature", 1.0), spec.get("top_p", 1.0),
-                                  spec.get("max_response_tokens", 16), spec.get("seed"))
+        keys = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_response_tokens",
+                "seed": "seed"}  # SamplingConfig's defaults fill what the rollout config leaves out
+        sampling = SamplingConfig(**{field: spec[key] for field, key in keys.items() if key in spec})
         self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps)
         return self.pool
 

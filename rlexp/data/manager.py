@@ -13,7 +13,9 @@ class DataManager:
     """Draws `prompts_per_step` groups of `samples_per_prompt` Samples per step.
 
     Train splits are reshuffled every epoch (by `seed`); other splits keep file order,
-    so an evaluation over `len(manager)` prompts covers each exactly once."""
+    so an evaluation over `len(manager)` prompts covers each exactly once. Groups and
+    samples are numbered in the order drawn (`group_id`, `uid`); the numbering is part of
+    the position a checkpoint keeps."""
 
     def __init__(self, source: PromptSource, prompts_per_step: AtLeast1, samples_per_prompt: AtLeast1,
                  seed: int, split: str = "train"):
@@ -25,6 +27,7 @@ class DataManager:
         self._rng = random.Random(seed)
         self._order: list[int] = []
         self._next_group = 0
+        self._next_uid = 0
         self._new_epoch()  # now, not on the first draw: keep the shuffle off the rollout path
 
     def __len__(self) -> int:
@@ -48,15 +51,16 @@ class DataManager:
             gid, self._next_group = self._next_group, self._next_group + 1
             # A per-sample seed fixed by (seed, group, index): the same run config rolls out the
             # same tokens whatever the order in which requests are issued or finish.
-            groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer,
+            groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer, uid=self._next_uid + i,
                                   metadata={"seed": hash((self.seed, gid, i)) & 0x7FFFFFFF})
                            for i in range(self.samples_per_prompt)])
+            self._next_uid += self.samples_per_prompt
         return groups
 
     def state_dict(self) -> dict:
-        """The position in the data: shuffle state, epoch order, next group id."""
+        """The position in the data: shuffle state, epoch order, next group id and sample uid."""
         return {"rng": self._rng.getstate(), "order": list(self._order), "next_group": self._next_group,
-                "n_problems": len(self.problems)}
+                "next_uid": self._next_uid, "n_problems": len(self.problems)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["n_problems"] != len(self.problems):
@@ -64,4 +68,4 @@ class DataManager:
                              f"was taken with {state['n_problems']}: the dataset changed")
         self._rng.setstate(state["rng"])
         self._order = list(state["order"])
-        self._next_group = state["next_group"]
+        self._next_group, self._next_uid = state["next_group"], state["next_uid"]

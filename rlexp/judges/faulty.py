@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from rlexp.agents.faulty import fault_draw
 from rlexp.constraints import Fraction
 from rlexp.errors import InjectedFault
+from rlexp.faults import fault_draw
 from rlexp.protocols import Judge
 from rlexp.sample import Sample
 

@@ -47,11 +47,3 @@ class BusyMeter:
     @property
     def busy_s(self) -> float:
         return self._busy + (time.perf_counter() - self._since if self.active else 0.0)
-
-
-def one_engine(replicas: int) -> None:
-    """An engine class builds one engine; replicas are a pool's (cluster=ray)."""
-    if replicas != 1:
-        from rlexp.errors import ConfigError
-
-        raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")

@@ -13,9 +13,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.models.local import resolve_dtype
-from rlexp.rollout.accounting import BusyMeter, count_generated, one_engine
-from rlexp.rollout.weights import WEIGHTS_FILE, read_shared
+from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights.files import WEIGHTS_FILE, read_shared
 
 
 class HFEngine:
@@ -30,10 +30,9 @@ class HFEngine:
         temperature: Temperature = 1.0,
         top_p: TopP = 1.0,
         max_response_tokens: AtLeast1 = 16,
-        replicas: AtLeast1 = 1,
+        replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,  # one device per replica: no tensor parallelism here
     ):
-        one_engine(replicas)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(model_path,

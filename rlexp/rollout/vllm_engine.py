@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,9 @@ from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout import reaper
-from rlexp.rollout.accounting import BusyMeter, count_generated, one_engine
+from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class VLLMEngine:
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
     Weights: `load_weights` reloads a safetensors file in place in the engine's workers,
-    from a shared mapping of it (rlexp/rollout/vllm_worker.py, rlexp/rollout/weights.py)."""
+    from a shared mapping of it (rlexp/weights/vllm_worker.py, rlexp/weights/files.py)."""
 
     def __init__(
         self,
@@ -70,13 +71,12 @@ class VLLMEngine:
         max_num_batched_tokens: int = 8192,
         weight_transfer_backend: str | None = None,
         idle_spin_s: float | None = 0.05,
-        replicas: AtLeast1 = 1,
+        replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,
     ):
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        one_engine(replicas)
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             model=model_path,
@@ -93,7 +93,7 @@ class VLLMEngine:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_sleep_mode=enable_sleep_mode and on_gpu,
-            worker_extension_cls="rlexp.rollout.vllm_worker.SharedWeightLoader",
+            worker_extension_cls="rlexp.weights.vllm_worker.SharedWeightLoader",
         )
         if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
             kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
@@ -239,8 +239,13 @@ class VLLMEngine:
         await self._call(self.llm.reset_prefix_cache())  # cached KV was computed by the old weights
         self.version = version
 
-    # vLLM's native weight transfer (rlexp/rollout/vllm_ipc.py, vllm_nccl.py): the engine's side of
+    # vLLM's native weight transfer (rlexp/weights/vllm_ipc.py, vllm_nccl.py): the engine's side of
     # it, called by name by the trainer's side (through EngineReplica.call_engine under cluster=ray).
+    async def load_weights_native(self, send: Callable[[EngineProcess], Awaitable[None]],
+                                  version: int) -> None:
+        """This engine's process is the one to send to (its methods called in this process)."""
+        await send(in_process(self))
+
     def workers(self) -> int:
         """vLLM's worker processes (tensor x pipeline parallel): each joins an NCCL transfer group."""
         return self.llm.vllm_config.parallel_config.world_size

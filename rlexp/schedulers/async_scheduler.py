@@ -15,11 +15,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rlexp.constraints import AtLeast0, Fraction
+from rlexp.constraints import AtLeast0
 from rlexp.data.manager import DataManager
 from rlexp.protocols import Agent, RolloutEngine
 from rlexp.sample import Sample, Status, staleness
-from rlexp.schedulers.sync import SyncScheduler, has_no_signal, rollout_group, trained_tokens
+from rlexp.schedulers.ledger import GroupLedger
+from rlexp.schedulers.sync import rollout_group
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,12 @@ def _task(r: GroupRollout) -> asyncio.Task:
 
 
 def fresh_copies(group: list[Sample]) -> list[Sample]:
-    return [Sample(group_id=s.group_id, prompt=s.prompt, answer=s.answer, metadata=dict(s.metadata))
-            for s in group]
+    """The group's prompts as drawn, to roll out again (same uids: a re-roll replaces them)."""
+    return [Sample(group_id=s.group_id, prompt=s.prompt, answer=s.answer, uid=s.uid,
+                   metadata=dict(s.metadata)) for s in group]
 
 
-class AsyncScheduler(SyncScheduler):
+class AsyncScheduler:
     """Knobs (versions = weight updates; B = `data.prompts_per_step` groups per batch):
 
     - staleness_threshold η: no sample with staleness > η is trained. Admission control
@@ -74,9 +76,8 @@ class AsyncScheduler(SyncScheduler):
 
     def __init__(self, staleness_threshold: AtLeast0 = 1, enable_partial_rollout: bool = True,
                  tail_batch_candidate_step: AtLeast0 = 0, tail_batch_trigger_size: AtLeast0 = 0,
-                 over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False,
-                 max_failure_fraction: Fraction = 0.5):
-        super().__init__(filter_zero_variance, max_failure_fraction=max_failure_fraction)
+                 over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False):
+        self.ledger = GroupLedger(filter_zero_variance)
         self.staleness_threshold = staleness_threshold
         self.enable_partial_rollout = enable_partial_rollout
         self.tail_candidate_step = tail_batch_candidate_step
@@ -122,8 +123,8 @@ class AsyncScheduler(SyncScheduler):
         self._accepted = self._accepted[self._batch_groups:]
         self._trained_groups += len(taken)
         for r in taken:
-            self.counts["rollout/untrained_tokens"] += r.meter[0] - trained_tokens(r.samples)
-        self.counts["rollout/tail_groups"] += sum(r.tail for r in taken)
+            self.ledger.trains(r.samples, r.meter[0])
+        self.ledger.counts["rollout/tail_groups"] += sum(r.tail for r in taken)
         self._wake_producer.set()
         return [s for r in taken for s in r.samples]
 
@@ -141,6 +142,11 @@ class AsyncScheduler(SyncScheduler):
             self._syncing = False
             self._wake_producer.set()
 
+    def pop_counts(self) -> dict[str, float]:
+        """Counts since the last call: groups rejected (filtered, expired, set aside), tail
+        groups trained, tokens generated but never trained."""
+        return self.ledger.pop()
+
     # ---- checkpoint -------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Finished groups waiting for a batch are kept with their tokens (and versions, so
@@ -149,7 +155,7 @@ class AsyncScheduler(SyncScheduler):
         def prompts(runs):
             return [GroupRollout(r.index, r.start_version, r.fresh, r.tail) for r in runs]
 
-        return super().state_dict() | {
+        return self.ledger.state_dict() | {
             "launched": self._launched, "trained_groups": self._trained_groups,
             "accepted": [GroupRollout(r.index, r.start_version, r.fresh, r.tail, meter=list(r.meter),
                                       samples=r.samples) for r in self._accepted],
@@ -157,7 +163,7 @@ class AsyncScheduler(SyncScheduler):
             "set_aside": prompts(self._set_aside)}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        self.ledger.load_state_dict(state)
         self._launched, self._trained_groups = state["launched"], state["trained_groups"]
         self._accepted, self._set_aside = state["accepted"], state["set_aside"]
         self._restored = state["in_flight"]
@@ -184,16 +190,14 @@ class AsyncScheduler(SyncScheduler):
         for r in [r for r in self._running if _task(r).done()]:
             self._running.remove(r)
             if r.cancelled is not None:
-                self.reject(r.fresh, r.cancelled, r.meter[0])
+                self.ledger.reject(r.fresh, r.cancelled, r.meter[0])
                 continue
             r.samples = _task(r).result()
-            if self.filter_zero_variance and has_no_signal(r.samples):
-                self.reject(r.samples, Status.FILTERED, r.meter[0])
-            else:
+            if self.ledger.keeps(r.samples, r.meter[0]):
                 self._accepted.append(r)
         for r in [r for r in self._accepted if any(s.staleness(self._version) > eta for s in r.samples)]:
             self._accepted.remove(r)
-            self.reject(r.samples, Status.EXPIRED, r.meter[0])
+            self.ledger.reject(r.samples, Status.EXPIRED, r.meter[0])
         for r in [r for r in self._running if r.cancelled is None]:
             age = staleness(self._version, r.start_version)  # of the tokens it may still produce
             if not r.tail and self.tail_candidate_step and age >= self.tail_candidate_step:

@@ -1,20 +1,20 @@
 """SyncScheduler: every trajectory of a step is generated concurrently, then training.
-Also the pieces every scheduler shares: rolling out one group, filtering, accounting."""
+Also what every scheduler uses to roll out one group (filtering and counts: ledger.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from rlexp.constraints import AtLeast1, Fraction
+from rlexp.constraints import AtLeast1
 from rlexp.data.manager import DataManager
 from rlexp.errors import EngineDead
 from rlexp.guards import fault_reason
 from rlexp.protocols import Agent, RolloutEngine
 from rlexp.rollout.accounting import generated_tokens
 from rlexp.sample import Sample, Status
+from rlexp.schedulers.ledger import GroupLedger
 
 log = logging.getLogger(__name__)
 
@@ -45,49 +45,27 @@ async def rollout_group(agent: Agent, group: list[Sample], meter: list[int]) -> 
     return [s for g in collect(group, results) for s in g]
 
 
-def has_no_signal(group: list[Sample]) -> bool:
-    """True when the group's completed samples all got the same reward: its GRPO advantages
-    are all zero, so training on it only dilutes the batch."""
-    return len({s.reward for s in group if s.status == Status.COMPLETED}) <= 1
-
-
-def trained_tokens(group: list[Sample]) -> int:
-    return sum(s.response_length for s in group if s.status == Status.COMPLETED)
-
-
 class SyncScheduler:
     """`filter_zero_variance`: drop groups without reward variance (status FILTERED) and
     roll out replacements, up to `max_filter_rounds` rounds per step (DAPO's dynamic sampling)."""
 
-    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: AtLeast1 = 4,
-                 max_failure_fraction: Fraction = 0.5):
-        self.filter_zero_variance = filter_zero_variance
+    def __init__(self, filter_zero_variance: bool = False, max_filter_rounds: AtLeast1 = 4):
         self.max_filter_rounds = max_filter_rounds
-        self.max_failure_fraction = max_failure_fraction  # the loop stops past it (checked per step)
-        self.counts: Counter[str] = Counter()
+        self.ledger = GroupLedger(filter_zero_variance)
 
     async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
         kept: list[list[Sample]] = []
-        for _ in range(self.max_filter_rounds if self.filter_zero_variance else 1):
+        for _ in range(self.max_filter_rounds if self.ledger.filter_zero_variance else 1):
             groups = data.sample_groups(data.prompts_per_step - len(kept))
             meters = [[0] for _ in groups]
             done = await asyncio.gather(*(rollout_group(agent, g, m) for g, m in zip(groups, meters)))
             for group, meter in zip(done, meters):
-                if self.filter_zero_variance and has_no_signal(group):
-                    self.reject(group, Status.FILTERED, meter[0])
-                else:
-                    self.counts["rollout/untrained_tokens"] += meter[0] - trained_tokens(group)
+                if self.ledger.keeps(group, meter[0]):
+                    self.ledger.trains(group, meter[0])
                     kept.append(group)
             if len(kept) == data.prompts_per_step:
                 break
         return [s for group in kept for s in group]
-
-    def reject(self, group: list[Sample], status: Status, generated: int) -> None:
-        for s in group:
-            if s.status in (Status.COMPLETED, Status.INIT):
-                s.status = status
-        self.counts[f"samples/{status.value}"] += len(group)
-        self.counts["rollout/untrained_tokens"] += generated
 
     async def sync_weights(self, engine: RolloutEngine, publish: Callable[[], Awaitable[None]],
                            version: int) -> None:
@@ -97,15 +75,13 @@ class SyncScheduler:
     def pop_counts(self) -> dict[str, float]:
         """Counts since the last call: samples rejected before reaching a batch, tokens
         generated but never trained."""
-        out = {k: float(v) for k, v in self.counts.items()}
-        self.counts.clear()
-        return out
+        return self.ledger.pop()
 
     def state_dict(self) -> dict:
-        return {"counts": dict(self.counts)}
+        return self.ledger.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.counts = Counter(state["counts"])
+        self.ledger.load_state_dict(state)
 
     async def aclose(self) -> None:
         """Nothing runs between calls."""

@@ -35,6 +35,11 @@ class Calculator:
     name = "calculator"
     spec = expression_tool_spec("calculator", "Evaluate an arithmetic expression.")
 
+    def __init__(self, timeout_s: float = 2.0):
+        """`timeout_s` is taken as every tool takes it; a calculation is bounded by the
+        expression's length and exponent limits instead."""
+        self.timeout_s = timeout_s
+
     async def __call__(self, arguments: str) -> str:
         args = json.loads(arguments)
         value = calculate(str(args["expression"]))

@@ -6,18 +6,23 @@ import contextlib
 import json
 import logging
 import random
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.tracking import MlflowClient
+from mlflow import MlflowClient
+from mlflow.entities import Param, Run, ViewType
 from omegaconf import DictConfig, OmegaConf
 
 from rlexp.constraints import AtLeast1, Fraction
 
 log = logging.getLogger(__name__)
 EXPERIMENT_KIND = "mlflow.experimentKind"  # MLflow UI: "custom_model_development" = Model training
+RESUMES = "rlexp.resumes"
+REPLACES = "rlexp.replaces"  # on a resumed run: the run it continues (and deleted)
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -71,17 +76,14 @@ class MlflowTracker:
         return self.run_id
 
     def resume(self, run_id: str, step: int, tags: dict[str, str]) -> None:
-        """Continue run `run_id` from checkpoint `step`: what the interrupted attempt logged
-        after that step is removed (those steps run again), so every step appears once."""
+        """Continue run `run_id` from checkpoint `step`: in a copy of it as it was at that step
+        (`continue_run`), so that the steps the interrupted attempt logged after it, which run
+        again, appear once."""
         mlflow.set_tracking_uri(self.tracking_uri)
-        run = mlflow.start_run(run_id=run_id)
-        self.run_id = run.info.run_id
-        removed = truncate_metrics(run_id, step)
-        traces = delete_traces_after(run.info.experiment_id, run_id, step)
-        resumes = int(run.data.tags.get("rlexp.resumes", "0")) + 1
-        mlflow.set_tags(tags | {"rlexp.resumes": str(resumes), "rlexp.resumed_from_step": str(step)})
-        log.info("mlflow: resumed run %s at step %d (removed %d metric values and %d traces logged "
-                 "after it)", run_id, step, removed, traces)
+        new_id, resumes = continue_run(MlflowClient(), run_id, step)
+        self.run_id = mlflow.start_run(run_id=new_id).info.run_id
+        mlflow.set_tags(tags | {RESUMES: str(resumes), "rlexp.resumed_from_step": str(step)})
+        log.info("mlflow: resumed run %s at step %d as run %s", run_id, step, new_id)
 
     def flush(self) -> None:
         """Make sure everything logged so far is in the store (before a checkpoint says so):
@@ -164,51 +166,75 @@ def log_mlflow_trace(s, step: int) -> None:
                           "reward_components": s.reward_components})
 
 
-def truncate_metrics(run_id: str, after_step: int) -> int:
-    """Delete the run's metric values logged at steps > `after_step`. MLflow has no API for
-    this; on its SQL stores (the SQLite default) it is done with MLflow's own tables, keeping
-    each metric's "latest value" consistent. Elsewhere the values stay and a warning says so."""
-    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
-    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-    store = MlflowClient()._tracking_client.store
-    if not isinstance(store, SqlAlchemyStore):
-        log.warning("resume: %s is not a SQL store; metrics logged after step %d by the interrupted "
-                    "attempt stay, and those steps will appear twice", type(store).__name__, after_step)
-        return 0
-    try:
-        writable = store.ManagedSessionMaker(read_only=False)
-    except TypeError:  # MLflow releases before read-only sessions
-        writable = store.ManagedSessionMaker()
-    with writable as session:
-        later = session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.step > after_step)
-        removed = later.delete(synchronize_session=False)
-        stale = session.query(SqlLatestMetric).filter(SqlLatestMetric.run_uuid == run_id,
-                                                      SqlLatestMetric.step > after_step)
-        keys = [m.key for m in stale]
-        stale.delete(synchronize_session=False)
-        for key in keys:  # the latest remaining value becomes the metric's latest again
-            last = (session.query(SqlMetric).filter(SqlMetric.run_uuid == run_id, SqlMetric.key == key)
-                    .order_by(SqlMetric.step.desc(), SqlMetric.timestamp.desc(), SqlMetric.value.desc())
-                    .first())
-            if last is not None:
-                session.add(SqlLatestMetric(run_uuid=run_id, key=key, value=last.value, step=last.step,
-                                            timestamp=last.timestamp, is_nan=last.is_nan))
-    return removed
+def continue_run(client: MlflowClient, source_id: str, step: int) -> tuple[str, int]:
+    """A new run holding what run `source_id` had logged up to checkpoint `step` (tags, params,
+    metric values of steps <= `step`, artifacts but trace files of later steps, sampled traces
+    of steps <= `step`); the source run is deleted (MLflow's soft delete: `mlflow gc` purges
+    it). MLflow has no API that removes logged metric values, so the run cannot be reopened
+    and trimmed. Copies an earlier attempt to resume from the same checkpoint left (tagged
+    `rlexp.replaces`) are deleted. Returns the new run's id and how many times the run has
+    been resumed, this time included."""
+    src = client.get_run(source_id)
+    exp_id = src.info.experiment_id
+    earlier = client.search_runs([exp_id], f"tags.`{REPLACES}` = '{source_id}'",
+                                 run_view_type=ViewType.ALL)
+    resumes = 1 + max(int(r.data.tags.get(RESUMES, "0")) for r in [src, *earlier])
+    for r in earlier:
+        if r.info.lifecycle_stage == "active":
+            client.delete_run(r.info.run_id)
+    run = client.create_run(exp_id, start_time=src.info.start_time, run_name=src.info.run_name,
+                            tags=src.data.tags | {REPLACES: source_id})
+    _copy_params_and_metrics(client, src, run.info.run_id, step)
+    _copy_artifacts(client, source_id, run.info.run_id, step)
+    _move_traces(client, exp_id, [source_id, *(r.info.run_id for r in earlier)], run.info.run_id, step)
+    if src.info.lifecycle_stage == "active":
+        client.delete_run(source_id)
+    return run.info.run_id, resumes
 
 
-def delete_traces_after(experiment_id: str, run_id: str, after_step: int) -> int:
-    """Delete the run's sampled-trajectory traces of steps > `after_step`."""
-    client = MlflowClient()
-    doomed, token = [], None
+def _copy_params_and_metrics(client: MlflowClient, src: Run, new_id: str, step: int) -> None:
+    params = [Param(k, v) for k, v in src.data.params.items()]
+    for i in range(0, len(params), 100):  # MLflow's limits per call
+        client.log_batch(new_id, params=params[i:i + 100])
+    history = [m for key in src.data.metrics for m in client.get_metric_history(src.info.run_id, key)]
+    kept = [m for m in history if m.step <= step]
+    for i in range(0, len(kept), 1000):
+        client.log_batch(new_id, metrics=kept[i:i + 1000])
+
+
+def _copy_artifacts(client: MlflowClient, source_id: str, new_id: str, step: int) -> None:
+    """Every artifact of `source_id` into `new_id`, but step files (`traces/step_00012.jsonl`)
+    of steps after `step`."""
+    with tempfile.TemporaryDirectory(prefix="rlexp-resume-") as tmp:
+        root = Path(client.download_artifacts(source_id, "", tmp))
+        for f in root.rglob("step_*.jsonl"):
+            if int(f.stem.removeprefix("step_")) > step:
+                f.unlink()
+        if any(root.iterdir()):
+            client.log_artifacts(new_id, str(root))
+
+
+def _traces_by_step(client: MlflowClient, exp_id: str, run_id: str) -> dict[str, int]:
+    """The run's sampled-trajectory traces (trace id -> step), linked ones included."""
+    out: dict[str, int] = {}
+    token = None
     while True:
-        page = client.search_traces(locations=[experiment_id], run_id=run_id, include_spans=False,
+        page = client.search_traces(locations=[exp_id], run_id=run_id, include_spans=False,
                                     max_results=500, page_token=token)
-        doomed += [t.info.trace_id for t in page if int(t.info.tags.get("rlexp.step", -1)) > after_step]
+        out |= {t.info.trace_id: int(t.info.tags.get("rlexp.step", -1)) for t in page}
         token = page.token
         if not token:
-            break
-    if doomed:
-        client.delete_traces(experiment_id, trace_ids=doomed)
-    return len(doomed)
+            return out
 
+
+def _move_traces(client: MlflowClient, exp_id: str, runs: list[str], new_id: str, step: int) -> None:
+    """Sampled-trajectory traces: those of the source run (`runs[0]`) of steps <= `step`
+    linked to the new run; those of later steps, of the source or of an earlier copy, deleted."""
+    source = _traces_by_step(client, exp_id, runs[0])
+    kept = [t for t, s in source.items() if s <= step]
+    for i in range(0, len(kept), 100):  # MLflow's limit per call
+        client.link_traces_to_run(kept[i:i + 100], new_id)
+    later = [t for t, s in source.items() if s > step]
+    later += [t for r in runs[1:] for t, s in _traces_by_step(client, exp_id, r).items() if s > step]
+    if later:
+        client.delete_traces(exp_id, trace_ids=later)

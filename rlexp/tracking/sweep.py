@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,16 +39,21 @@ def varying_keys(overrides: list[str], sweeper_params: dict | None) -> list[str]
 
 
 def count_jobs(overrides: list[str], sweeper_params: dict | None) -> int:
-    """How many jobs Hydra's basic sweeper makes of these (0 when it cannot tell)."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    """How many jobs Hydra's basic sweeper makes of these (0 when it cannot tell): the product
+    of each key's number of values, the last override of a key winning. Parsed with Hydra's
+    override parser, as its sweeper plugins do."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     specs = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + overrides
     try:
         parsed = OverridesParser.create().parse_overrides(specs)
-        return sum(len(batch) for batch in BasicSweeper.split_arguments(parsed, None))
+        if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
+            return 0  # interval(): the basic sweeper refuses it
+        sizes = {o.get_key_element(): len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
+                 for o in parsed}
     except Exception:  # e.g. glob() needs the config loader; the count only feeds the progress line
         return 0
+    return math.prod(sizes.values())
 
 
 def job_run_name(varying: list[str], job_overrides: list[str]) -> str:
@@ -80,7 +86,9 @@ def save_compare_view(client: MlflowClient, exp_id: str, parent_id: str, group_b
     """A saved view of MLflow's runs page (what its Share button stores, as an experiment tag):
     the sweep's child runs grouped by the swept keys other than `seed`, every run its own line
     in chart mode, charts narrowed to `metric`. Returns the UI route (after the server's
-    address) that opens it, in the Model training workflow."""
+    address) that opens it, in the Model training workflow. The tag's name, the state's keys
+    and the route are the UI's conventions, with no Python API: checked against MLflow 3.17.2
+    (tests/test_sweep.py checks them against the installed UI, and in a real browser)."""
     keys = [{"mode": "param", "groupByData": k} for k in group_by if k != "seed"]
     state = {"searchFilter": f"tags.`mlflow.parentRunId` = '{parent_id}'",
              "orderByKey": "attributes.start_time", "orderByAsc": True, "runsHiddenMode": "SHOW_ALL",

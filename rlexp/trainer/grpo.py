@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import torch
 from annotated_types import Ge
@@ -30,7 +30,6 @@ from transformers import AutoModelForCausalLM
 
 from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
 from rlexp.models.local import resolve_dtype
-from rlexp.rollout.weights import WEIGHTS_FILE, save_safetensors
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
 from rlexp.trainer.advantages import group_advantages
@@ -44,6 +43,7 @@ from rlexp.trainer.lora import (
 )
 from rlexp.trainer.losses import clipped_pg_loss, k3_kl, truncated_is_pg_loss
 from rlexp.trainer.token_batch import TokenBatch
+from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,6 @@ LrSchedule = Literal["constant", "cosine"]
 
 def lr_factor(schedule: LrSchedule, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base lr at RL step t: linear warm-up, then constant or cosine to 10%."""
-    if schedule not in get_args(LrSchedule):
-        raise ValueError(f"trainer.lr_schedule must be one of {get_args(LrSchedule)}, got {schedule!r}")
-
     def factor(t: int) -> float:
         if t < warmup_steps:
             return (t + 1) / warmup_steps

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlexp.protocols import NamedTensors
+from rlexp.weights.protocols import NamedTensors
 
 PREFIX = "base_model.model."  # where peft puts the wrapped model's names
 ADAPTER_FILE = "adapter.safetensors"

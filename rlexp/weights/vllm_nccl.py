@@ -8,7 +8,7 @@ NCCL refuses two ranks on one GPU: trainer and engine must be on different GPUs 
 weight_transfer=vllm_ipc).
 
 One group per engine: with a RolloutPool (cluster=ray) every replica has its own group with the
-trainer, and a sync broadcasts to the replicas one after another (rlexp/rollout/vllm_ipc.py has
+trainer, and a sync broadcasts to the replicas one after another (vllm_native.py has
 the part shared with the IPC transport: the pool fan-out, threads, restarts). A single group
 holding every replica would broadcast once, but vLLM ranks an engine's workers from its own
 (data-parallel) index, the same in every replica; and an NCCL group's members are fixed, so one
@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlexp.rollout.vllm_ipc import EngineClient, NativeTransport
+from rlexp.weights.protocols import ClusterShape
+from rlexp.weights.vllm_native import EngineClient, NativeTransport
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,8 @@ class VllmNcclTransport(NativeTransport):
 
     engine_backend = "nccl"
 
-    def __init__(self, packed: bool = True, address: str | None = None):
-        super().__init__()
+    def __init__(self, packed: bool = True, address: str | None = None, cluster: ClusterShape | None = None):
+        super().__init__(cluster)
         self.packed, self.address = packed, address
 
     def _connect(self, client: EngineClient, source: Any) -> Any:

@@ -1,15 +1,6 @@
-"""Weight transfer: how one version of the trainer's weights reaches the rollout engine.
-
-A transport takes the trainer's full tensors by name (`Trainer.weights()`, one at a time)
-and makes the engine serve them as policy `version` (the loop's number). The scheduler
-decides *when* (between batches, or with the engine paused); the transport decides *how*:
-
-    RamFileTransport   same node, no GPU: one safetensors file in RAM (/dev/shm), mapped
-                       once and overwritten in place at every sync (one copy per tensor);
-                       the engine maps the same file and loads from views of it
-
-Later transports (Ray's object store across nodes; vLLM's native NCCL / CUDA-IPC weight
-transfer on GPU) implement the same `transfer(weights, engine, version)`."""
+"""Safetensors files of named tensors: written standalone (checkpoints), read as views of one
+shared mapping (an engine loading a sync), and `SharedFile`, a file mapped once and rewritten
+in place at every sync (ram_file.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from rlexp import orphans
-from rlexp.protocols import LoadsWeightFiles, NamedTensors
+from rlexp.weights.protocols import NamedTensors
 
 WEIGHTS_FILE = "model.safetensors"
 ALIASES = "rlexp.aliases"  # metadata key: {name: name it shares storage with} (tied weights)
@@ -85,7 +75,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-class _SharedFile:
+class SharedFile:
     """A safetensors file whose layout is fixed at the first write and whose data region is
     mapped into this process, so a sync is one `copy_` per tensor (no serialisation, no
     page faults after the first). Tensors sharing storage are written once, as aliases."""
@@ -135,28 +125,3 @@ class _SharedFile:
             start, end = header[name]["data_offsets"]
             self.slots[name] = data[start:end].view(dtype).view(shape)
         self.layout = layout
-
-
-class RamFileTransport:
-    """The weights as a safetensors file in a RAM-backed directory, rewritten in place; the
-    engine loads it (vLLM: mapped by its workers, no file parsing; HF: `read_shared`)."""
-
-    PREFIX = "rlexp-weights-"
-
-    def __init__(self, directory: str | None = None):
-        self._lock: int | None = None
-        if directory is None:
-            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
-            orphans.reap(self.PREFIX, shm)  # weight files of killed runs (RAM, not disk)
-            self.directory, self._lock = orphans.owned_tempdir(self.PREFIX, shm)
-        else:
-            self.directory = Path(directory)
-        self.file = _SharedFile(self.directory / WEIGHTS_FILE)
-
-    async def transfer(self, weights: NamedTensors, engine: LoadsWeightFiles, version: int) -> None:
-        self.file.write((name, t.to("cpu", copy=False)) for name, t in weights)
-        await engine.load_weights(self.directory, version)
-
-    def close(self) -> None:
-        orphans.remove(self.directory, self._lock)
-        self._lock = None

@@ -1,18 +1,13 @@
-"""GPU: vLLM's native weight transfer over CUDA IPC (`weight_transfer=vllm_ipc`), and what it
-shares with the NCCL one (rlexp/rollout/vllm_nccl.py).
+"""GPU: what vLLM's native weight transfers (vllm_ipc.py over CUDA IPC, vllm_nccl.py over NCCL)
+share: the sending threads, one sender per engine process, the replay for a restarted replica.
 
-The trainer's tensors stay where they are: vLLM's trainer-side IPC engine hands the engine's
-workers CUDA IPC handles of them, and each worker copies them into its own weights (one
-device-to-device copy, vLLM's checkpoint-format loading). A handle opens only on the GPU it
-was made on, so every engine must share the trainer's GPU (placement=colocate; a replica on
-another GPU fails with vLLM's "IPC handle not found for GPU UUID").
-
-The engine is a local VLLMEngine or a RolloutPool (cluster=ray). vLLM's trainer side is
+The engine (a local VLLMEngine or a RolloutPool under cluster=ray) hands each of its engine
+processes to `send` (`LoadsNativeWeights.load_weights_native`). vLLM's trainer side is
 synchronous (it drives a `VLLMWeightSyncClient`), so each send runs in a thread and each call
-it makes is put back on the event loop: to the VLLMEngine's methods, or to a replica's through
-`EngineReplica.call_engine`. Each engine process gets its own trainer-side vLLM engine (a
-"sender"), connected at its first sync and again when the process changes (Ray restarted the
-replica); a pool fans one full update out to every replica, one replica at a time.
+it makes is put back on the event loop, to that process's `call` (the VLLMEngine's methods, or
+a replica's through `EngineReplica.call_engine`). Each engine process gets its own trainer-side
+vLLM engine (a "sender"), connected at its first sync and again when the process changes (Ray
+restarted the replica); a pool fans one full update out to every replica, one at a time.
 
 A replica that Ray restarts starts from the model path, i.e. policy version 0. The pool
 replays the last sync for it, but these transports hold no copy of the weights they sent: the
@@ -32,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rlexp.protocols import NamedTensors
+from rlexp.weights.protocols import ClusterShape, EngineProcess, LoadsNativeWeights, NamedTensors
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +67,10 @@ def _on_weights_gpu(source: _NamedTensors) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device)
 
 
+async def _awaited(result: Any) -> Any:
+    return await result if inspect.isawaitable(result) else result
+
+
 class EngineClient:
     """vLLM's `VLLMWeightSyncClient`, called from the sending thread, over one engine:
     `call(method, *args)` (run on the event loop) calls that method of the engine."""
@@ -83,8 +82,7 @@ class EngineClient:
 
     def call(self, method: str, *args: Any) -> Any:
         async def run():
-            result = self._call(method, *args)
-            return await result if inspect.isawaitable(result) else result
+            return await _awaited(self._call(method, *args))
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
 
@@ -115,7 +113,8 @@ class NativeTransport:
 
     engine_backend: str  # the engine side of the transfer (rollout.weight_transfer_backend)
 
-    def __init__(self) -> None:
+    def __init__(self, cluster: ClusterShape | None = None) -> None:
+        """`cluster`: not read (any cluster with CUDA; config.py refuses a trainer group)."""
         if not torch.cuda.is_available():
             raise RuntimeError(f"weight_transfer=vllm_{self.engine_backend} needs CUDA; on CPU use "
                                "weight_transfer=ram_file")
@@ -146,32 +145,23 @@ class NativeTransport:
                 raise
             self._senders[key] = (process, sender)
 
-    async def transfer(self, weights: NamedTensors, engine: Any, version: int) -> None:
-        from rlexp.cluster.pool import RolloutPool
-
+    async def transfer(self, weights: NamedTensors, engine: LoadsNativeWeights, version: int) -> None:
         source = _source(weights)
         loop = asyncio.get_running_loop()
-        if not isinstance(engine, RolloutPool):
-            client = EngineClient(loop, lambda method, *args: getattr(engine, method)(*args))
-            await asyncio.to_thread(self._send, engine, None, client, source)
-            await engine.weights_loaded(version)
-            return
-
         current = True
 
-        async def load(actor: Any) -> None:
-            if not current:  # the pool replaying this sync for a restarted replica
+        async def send(process: EngineProcess) -> None:
+            if not current:  # a pool replaying this sync for a restarted replica
                 log.warning("a restarted rollout replica keeps the model's initial weights (version 0) "
                             "until the next weight sync: vLLM's %s transfer cannot resend version %d",
                             self.engine_backend, version)
                 return
-            node, pid, _ = await actor.ready.remote()
-            client = EngineClient(loop, lambda method, *args: actor.call_engine.remote(method, *args))
-            await asyncio.to_thread(self._send, actor, (node, pid), client, source)
-            await actor.call_engine.remote("weights_loaded", version)
+            client = EngineClient(loop, process.call)
+            await asyncio.to_thread(self._send, process.key, process.process, client, source)
+            await _awaited(process.call("weights_loaded", version))
 
         try:
-            await engine.update_weights(load, version)
+            await engine.load_weights_native(send, version)
         finally:
             current = False
 
@@ -179,22 +169,3 @@ class NativeTransport:
         for _, sender in self._senders.values():
             sender.shutdown()
         self._senders.clear()
-
-
-class VllmIpcTransport(NativeTransport):
-    """Needs CUDA and engines started with `weight_transfer_backend: ipc` (the
-    `weight_transfer=vllm_ipc` config sets both). `packed`: send through one bounded
-    staging buffer instead of a handle per tensor (less memory, one more copy)."""
-
-    engine_backend = "ipc"
-
-    def __init__(self, packed: bool = False):
-        super().__init__()
-        self.packed = packed
-
-    def _connect(self, client: EngineClient, source: Any) -> Any:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-        return WeightTransferTrainerFactory.trainer_init(
-            IPCTrainerInitInfo(rank=0, packed=self.packed), client=client, source=source)

@@ -1,0 +1,102 @@
+"""MlflowTracker against a real SQLite MLflow store: a resumed run holds what was logged up
+to its checkpoint, every step once, with MLflow's public API only."""
+
+import json
+
+from mlflow import MlflowClient
+from mlflow.entities import ViewType
+from omegaconf import OmegaConf
+
+from rlexp.sample import Sample, Status, TokenTrace
+from rlexp.tracking.mlflow_tracker import MlflowTracker
+
+
+def _sample(step: int) -> Sample:
+    return Sample(group_id=step, prompt=[{"role": "user", "content": f"{step}+1="}], answer=str(step + 1),
+                  response_text=str(step + 1), reward=1.0, status=Status.COMPLETED,
+                  trace=TokenTrace(turns=[{"role": "assistant", "text": "x", "span": [0, 1], "mask": 1}]))
+
+
+def _log_steps(tracker: MlflowTracker, steps, sign: float = 1.0) -> None:
+    for step in steps:
+        tracker.log_metrics({"loss": sign * step, "eval": 10.0 * step}, step)
+        tracker.log_samples([_sample(step)], step, decode=lambda ids: "")
+
+
+def _tracker(uri: str) -> MlflowTracker:
+    return MlflowTracker(uri, "t", run_name="r", trace_sample_rate=1.0)
+
+
+def _active(client: MlflowClient):
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    return run
+
+
+def _state(client: MlflowClient, run) -> dict:
+    """What a user sees of a run: metric histories, trace files, sampled traces' steps."""
+    rid = run.info.run_id
+    files = sorted(a.path for a in client.list_artifacts(rid, "traces"))
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=rid, include_spans=False)
+    return {"loss": sorted((m.step, m.value) for m in client.get_metric_history(rid, "loss")),
+            "eval": sorted((m.step, m.value) for m in client.get_metric_history(rid, "eval")),
+            "latest": run.data.metrics, "files": files,
+            "traced": sorted(int(t.info.tags["rlexp.step"]) for t in traces)}
+
+
+def test_a_resumed_run_holds_each_step_once(tmp_path):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    first = _tracker(uri)
+    first_id = first.start(OmegaConf.create({"seed": 3, "trainer": {"lr": 0.1}}))
+    _log_steps(first, range(1, 6))  # checkpointed at 3, then steps 4, 5, then killed
+    first.end(status="KILLED")
+
+    resumed = _tracker(uri)
+    resumed.resume(first_id, 3, tags={"rlexp.job_num": "7"})
+    _log_steps(resumed, [4], sign=-1.0)  # step 4 again, with other numbers
+    resumed.end()
+
+    run = _active(client)
+    assert run.info.run_id != first_id and client.get_run(first_id).info.lifecycle_stage == "deleted"
+    assert _state(client, run) == {
+        "loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, -4.0)],
+        "eval": [(1, 10.0), (2, 20.0), (3, 30.0), (4, 40.0)],
+        "latest": {"loss": -4.0, "eval": 40.0},
+        "files": [f"traces/step_{s:05d}.jsonl" for s in (1, 2, 3, 4)], "traced": [1, 2, 3, 4]}
+    old = client.get_run(first_id)
+    assert run.data.params == old.data.params and run.data.params["trainer.lr"] == "0.1"
+    assert {k: v for k, v in old.data.tags.items() if k in run.data.tags} == old.data.tags | {
+        "mlflow.runName": "r"}  # every tag of the interrupted attempt carried over
+    assert (run.data.tags["rlexp.resumes"], run.data.tags["rlexp.resumed_from_step"],
+            run.data.tags["rlexp.job_num"], run.data.tags["rlexp.replaces"]) == ("1", "3", "7", first_id)
+    assert (run.info.status, run.info.start_time) == ("FINISHED", old.info.start_time)
+    config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+    assert OmegaConf.load(config).seed == 3
+    line = json.loads(open(client.download_artifacts(run.info.run_id, "traces/step_00002.jsonl",
+                                                     str(tmp_path))).read())
+    assert line["group_id"] == 2  # the interrupted attempt's file, copied
+
+
+def test_resuming_again_from_the_same_checkpoint_drops_the_first_copy(tmp_path):
+    """Killed again before the resumed attempt's first checkpoint: the next resume starts
+    from the same checkpoint, and so from the same source run."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    first = _tracker(uri)
+    first_id = first.start(OmegaConf.create({"seed": 3}))
+    _log_steps(first, range(1, 6))
+    first.end(status="KILLED")
+    for attempt in (1, 2):
+        tracker = _tracker(uri)
+        tracker.resume(first_id, 3, tags={})
+        _log_steps(tracker, [4, 5], sign=-attempt)
+        tracker.end(status="KILLED")
+    run = _active(client)
+    exp = run.info.experiment_id
+    assert len(client.search_runs([exp], run_view_type=ViewType.ALL)) == 3  # two of them deleted
+    assert run.data.tags["rlexp.resumes"] == "2"
+    state = _state(client, run)
+    assert state["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, -8.0), (5, -10.0)]
+    assert state["traced"] == [1, 2, 3, 4, 5]
+    assert sorted(int(t.info.tags["rlexp.step"]) for t in client.search_traces(locations=[exp])) == \
+        [1, 2, 3, 4, 5]  # the first copy's traces of steps 4 and 5 were deleted with it
