@@ -65,17 +65,33 @@ STEP_METRICS = {"step": "timing/step_s", "produce": "timing/produce_s", "fit": "
 
 def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[dict[str, float]]:
     """Run the rlexp loop in this process for `steps` steps of the experiment `overrides`
-    describe (MLflow store and checkpoints under `workdir`); per step, what the loop logged:
-    step (produce + fit + sync), each phase's seconds and the mean response length."""
+    describe (MLflow store and checkpoints under `workdir`, logging as configured: traces on
+    unless `overrides` turn them off); per step, what the loop logged (step = produce + fit +
+    sync, each phase's seconds, the mean response length) and `whole`: the wall time from the
+    loop's log line of the step before to this step's, so the step's MLflow logging and traces
+    are in it. The loop runs steps + 1 steps: the first one's log line starts the clock and
+    that step is not returned."""
+    import logging
+    import re
+
     import mlflow
 
     from rlexp.config import validate
     from rlexp.loop import RLLoop
 
-    cfg = default_config([f"trainer.total_steps={steps}", f"evaluator.every_n_steps={steps}",
+    lines: list[float] = []
+
+    class StepLines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if re.match(r"step\s+\d+/\d+", record.getMessage()):
+                lines.append(record.created)
+
+    rlexp_log = logging.getLogger("rlexp")  # the loop's, and its modules' through propagation
+    rlexp_log.setLevel(logging.INFO)
+    rlexp_log.addHandler(StepLines())
+    cfg = default_config([f"trainer.total_steps={steps + 1}", f"evaluator.every_n_steps={steps + 1}",
                           "checkpoint.every_n_steps=0", f"logger.tracking_uri=sqlite:///{workdir}/mlflow.db",
-                          f"logger.artifact_location={workdir}/artifacts", "logger.log_traces=false",
-                          *overrides])
+                          f"logger.artifact_location={workdir}/artifacts", *overrides])
     validate(cfg)
     asyncio.run(RLLoop(cfg, workdir / "run").execute())
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/mlflow.db")
@@ -83,7 +99,8 @@ def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[di
                              order_by=["attributes.start_time DESC"], max_results=1)[0]
     history = {name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
                for name, key in STEP_METRICS.items()}
-    return [{name: history[name][step] for name in STEP_METRICS} for step in sorted(history["step"])]
+    records = [{name: history[name][step] for name in STEP_METRICS} for step in sorted(history["step"])][1:]
+    return [r | {"whole": t1 - t0} for r, (t0, t1) in zip(records, zip(lines, lines[1:]), strict=True)]
 
 
 def child_block(cmd: list[str]) -> list[dict]:
@@ -107,14 +124,13 @@ def child_block(cmd: list[str]) -> list[dict]:
 def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> dict[str, list[dict]]:
     """Run each side's command `blocks` times, alternating which goes first, so both meet
     the same machine; drop each block's first `warmup` steps. Prints one line per block:
-    the medians of every timed field."""
+    the median of every field."""
     out: dict[str, list[dict]] = {name: [] for name in sides}
     names = list(sides)
     for b in range(blocks):
         for name in names if b % 2 == 0 else names[::-1]:
             steps = child_block(sides[name])[warmup:]
             out[name] += steps
-            fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" for k in steps[0] if k != "step")
-            step = median([s["step"] for s in steps])
-            print(f"block {b} {name:<6} step {step:.3f} s  {fields}", flush=True)
+            fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" for k in steps[0])
+            print(f"block {b} {name:<8} {fields}", flush=True)
     return out

