@@ -233,7 +233,6 @@ def test_run_fails_in_preflight_with_one_line(bad_dir, overrides, message, tmp_p
 
 
 def test_make_gsm_data_writes_the_same_disjoint_rows_in_three_formats(tmp_path):
-    pytest.importorskip("reasoning_gym")
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
         import make_gsm_data

@@ -19,6 +19,8 @@ from rlexp.schedulers.sync import SyncScheduler, collect, rollout_group
 from tests.fakes import TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 
+HANG_FAILSAFE_S = 60  # turns a guard that never fires (the hangs are endless) into a failure
+
 
 class ScoringAgent(CountingAgent):
     """CountingAgent whose reward comes from a judge (a `response_text` the judge reads)."""
@@ -39,28 +41,31 @@ def _group(n=4, gid=0):
 
 
 def _agent(engine=None, judge=None, agent_timeout=None, judge_timeout=None, **rates):
-    engine = engine or TimedEngine()
+    """Faults hang forever (only a guard ends them); healthy work takes no time (an engine
+    without per-token delay), so which guard fires never depends on the machine's speed."""
+    engine = engine or TimedEngine(token_s=0)
     judge_rates = {k[6:]: v for k, v in rates.items() if k.startswith("judge_")}
     agent_rates = {k[6:]: v for k, v in rates.items() if k.startswith("agent_")}
-    judge = JudgeGuard(FaultyJudge(MathExactJudge(), hang_s=30, **judge_rates), judge_timeout)
+    judge = JudgeGuard(FaultyJudge(MathExactJudge(), hang_s=math.inf, **judge_rates), judge_timeout)
     faulty = FaultyAgent(engine, None, judge, inner=lambda engine, judge, **_: ScoringAgent(engine, judge),
-                         hang_s=30, **agent_rates)
+                         hang_s=math.inf, **agent_rates)
     return AgentGuard(faulty, agent_timeout)
 
 
 def _roll(agent, n=4):
-    return asyncio.run(rollout_group(agent, _group(n), [0]))
+    return asyncio.run(asyncio.wait_for(rollout_group(agent, _group(n), [0]), HANG_FAILSAFE_S))
 
 
 @pytest.mark.parametrize("rates, status, reason", [
     (dict(agent_raise_rate=1.0), Status.FAILED, "agent raised InjectedFault: injected agent fault"),
-    (dict(agent_hang_rate=1.0), Status.ABORTED, "agent timed out after 0.2s (agent.guard.timeout_s)"),
+    (dict(agent_hang_rate=1.0), Status.ABORTED, "agent timed out after 1s (agent.guard.timeout_s)"),
     (dict(judge_raise_rate=1.0), Status.FAILED, "judge raised InjectedFault: injected judge fault"),
     (dict(judge_hang_rate=1.0), Status.FAILED, "judge timed out after 0.1s (judge.guard.timeout_s)"),
     (dict(judge_nan_rate=1.0), Status.FAILED, "judge returned a reward that is not a finite number: nan"),
 ])
 def test_each_fault_marks_the_sample_with_its_reason(rates, status, reason):
-    out = _roll(_agent(agent_timeout=0.2, judge_timeout=0.1, **rates))
+    """A hang never ends by itself: a hung sample comes back only because its guard cut it off."""
+    out = _roll(_agent(agent_timeout=1, judge_timeout=0.1, **rates))
     assert [s.status for s in out] == [status] * 4
     assert all(s.error == reason for s in out)
     assert all(s.to_trace(str)["error"] == reason for s in out)  # the reason is in the trace
@@ -73,17 +78,6 @@ def test_without_faults_nothing_is_marked():
     assert {s.reward for s in out} == {0.0, 1.0}
 
 
-def test_a_hung_agent_is_cut_off_at_its_timeout_not_at_its_hang():
-    loop_t0 = asyncio.run(_timed(_agent(agent_timeout=0.3, agent_hang_rate=1.0)))
-    assert loop_t0 < 5  # the fault sleeps 30 s
-
-
-async def _timed(agent):
-    t0 = asyncio.get_running_loop().time()
-    await rollout_group(agent, _group(), [0])
-    return asyncio.get_running_loop().time() - t0
-
-
 def test_a_dead_engine_stops_the_step_instead_of_failing_samples():
     with pytest.raises(EngineDead):
         collect(_group(2), [EngineDead("gone"), _group(1)[0]])
@@ -92,8 +86,8 @@ def test_a_dead_engine_stops_the_step_instead_of_failing_samples():
 @pytest.mark.parametrize("scheduler", [SyncScheduler, lambda: AsyncScheduler(staleness_threshold=1)])
 def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
     async def go():
-        engine = TimedEngine()
-        agent = _agent(engine, agent_timeout=0.3, judge_timeout=0.2, agent_raise_rate=0.1,
+        engine = TimedEngine(token_s=0)
+        agent = _agent(engine, agent_timeout=0.5, judge_timeout=0.1, agent_raise_rate=0.1,
                        agent_hang_rate=0.1, judge_raise_rate=0.1, judge_nan_rate=0.1, judge_hang_rate=0.1)
         sched, trainer, data = scheduler(), SleepyTrainer(0.01), _data()
         steps = []
@@ -117,8 +111,8 @@ def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
     assert fracs == [sum(s.error is not None for s in b) / 16 for b in batches]
     assert 0.2 < sum(fracs) / 4 < 0.8
     reasons = {s.error.split(" (")[0] for b in batches for s in b if s.error}
-    assert {"agent raised InjectedFault: injected agent fault", "agent timed out after 0.3s",
-            "judge raised InjectedFault: injected judge fault", "judge timed out after 0.2s",
+    assert {"agent raised InjectedFault: injected agent fault", "agent timed out after 0.5s",
+            "judge raised InjectedFault: injected judge fault", "judge timed out after 0.1s",
             "judge returned a reward that is not a finite number: nan"} == reasons
 
 
