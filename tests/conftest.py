@@ -1,4 +1,7 @@
+import asyncio
+import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -45,3 +48,29 @@ def _no_leaked_tracking_uri():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+@contextlib.contextmanager
+def vllm_on_thread(model_path: str, failsafe_s: float, **engine_kwargs):
+    """One real vLLM engine on an event loop in a background thread (the engine belongs to the
+    loop it was made on). Yields (engine, run): `run(coro)` runs a coroutine there, failing
+    after `failsafe_s` so that a hang becomes a failure."""
+    from rlexp.rollout.vllm_engine import VLLMEngine
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, failsafe_s), loop).result()
+
+    async def start():
+        return VLLMEngine(model_path, **engine_kwargs)
+
+    engine = run(start())
+    try:
+        yield engine, run
+    finally:
+        engine.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)

@@ -4,7 +4,6 @@ and the multi-turn agent's "try again" follows its judge (agent=multiturn judge=
 
 import asyncio
 import re
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +17,7 @@ from rlexp.judges.math_exact import extract_answer, normalize
 from rlexp.judges.math_verify import judge_text
 from rlexp.loop import build_guarded
 from rlexp.sample import Sample, SamplingConfig, Status
+from tests.conftest import vllm_on_thread
 
 pytestmark = pytest.mark.vllm
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -30,24 +30,9 @@ AGENTS = ["single_turn", "multiturn", "tool", "openai"]
 def vllm(tiny_model_path, tokenizer):
     """One real vLLM engine for the module, on an event loop in a background thread (the
     engine belongs to the loop it was made on); `run(coro)` runs a test's coroutine there."""
-    from rlexp.rollout.vllm_engine import VLLMEngine
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def run(coro):
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, HANG_FAILSAFE_S), loop).result()
-
-    async def start():
-        return VLLMEngine(tiny_model_path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=32,
-                          max_response_tokens=16)
-
-    engine = run(start())
-    yield SimpleNamespace(engine=engine, run=run, tokenizer=tokenizer)
-    engine.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
+    with vllm_on_thread(tiny_model_path, HANG_FAILSAFE_S, seed=0, max_model_len=256, kv_cache_gb=0.25,
+                        max_num_seqs=32, max_response_tokens=16) as (engine, run):
+        yield SimpleNamespace(engine=engine, run=run, tokenizer=tokenizer)
 
 
 def _rollouts(vllm, overrides: list[str], samples: list[Sample], **runtime) -> list[Sample]:

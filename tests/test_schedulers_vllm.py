@@ -22,6 +22,7 @@ from rlexp.sample import SamplingConfig, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.weights.ram_file import RamFileTransport
+from tests.conftest import vllm_on_thread
 
 pytestmark = pytest.mark.vllm
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=16, seed=0)
@@ -33,23 +34,9 @@ LR = 1e-6  # real updates that leave the tiny model's accuracy where it is
 def vllm(tiny_model_path):
     """One real vLLM engine for the module, on an event loop in a background thread (the
     engine belongs to the loop it was made on); `run(coro)` runs a test's coroutine there."""
-    from rlexp.rollout.vllm_engine import VLLMEngine
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    def run(coro):
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, HANG_FAILSAFE_S), loop).result()
-
-    async def start():
-        return VLLMEngine(tiny_model_path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=32)
-
-    engine = run(start())
-    yield SimpleNamespace(engine=engine, run=run)
-    engine.shutdown()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(30)
+    with vllm_on_thread(tiny_model_path, HANG_FAILSAFE_S, seed=0, max_model_len=256, kv_cache_gb=0.25,
+                        max_num_seqs=32) as (engine, run):
+        yield SimpleNamespace(engine=engine, run=run)
 
 
 class RecordingAgent:
