@@ -12,7 +12,8 @@ from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.errors import CheckpointError, ConfigError
 from rlexp.loop import rl_step
-from rlexp.schedulers.async_scheduler import AsyncScheduler
+from rlexp.sample import Sample, Status
+from rlexp.schedulers.async_scheduler import AsyncScheduler, GroupRollout
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
 from tests.fakes import TimedEngine, VersionOnlyTransport
@@ -129,6 +130,22 @@ def test_run_state_round_trip_through_a_checkpoint(tmp_path):
         resumed.restore_data(other, eval2)
 
 
+def test_async_checkpoint_counts_groups_cancelled_as_expired_but_not_yet_booked():
+    """A group cancelled as EXPIRED is booked when its task ends; a checkpoint taken before
+    then counts it, so a resumed run does not lose it from `samples/expired`."""
+    sched = AsyncScheduler(staleness_threshold=1)
+    group = [Sample(group_id=5, prompt=[1], answer="2", uid=20 + i) for i in range(4)]
+    sched._running.append(GroupRollout(5, 0, group, meter=[7], cancelled=Status.EXPIRED))
+    sched.ledger.counts["samples/expired"] = 8  # booked already: two earlier groups
+    state = sched.state_dict()
+    assert state["counts"] == {"samples/expired": 12, "rollout/untrained_tokens": 7}
+    assert state["in_flight"] == []  # not relaunched on resume
+    assert sched.ledger.counts["samples/expired"] == 8  # the live run books it once, later
+    resumed = AsyncScheduler(staleness_threshold=1)
+    resumed.load_state_dict(state)
+    assert resumed.pop_counts() == {"samples/expired": 12.0, "rollout/untrained_tokens": 7.0}
+
+
 def test_data_manager_refuses_a_changed_dataset():
     a = _data()
     state = a.state_dict() | {"n_problems": 5}
@@ -146,7 +163,8 @@ def test_async_scheduler_state_restores_waiting_and_in_flight_groups():
         first = AsyncScheduler(staleness_threshold=2)
         for version in range(2):
             await rl_step(first, data, agent, engine, trainer, VersionOnlyTransport(), version)
-        await asyncio.sleep(0.01)  # newly launched groups are in flight, earlier ones wait
+        while not first.state_dict()["in_flight"]:  # until newly launched groups are in flight
+            await asyncio.sleep(0)
         state = checkpoint.serialize(first.state_dict())
         data_state = data.state_dict()
         snapshot = first.state_dict()

@@ -110,7 +110,7 @@ def _kill_when(path, cmd, log, victim):
     with open(log, "a") as f:
         proc = _start(cmd, f)
         try:
-            _wait_for(path, proc, timeout=1200)
+            _wait_for(path, proc)
             victim(proc)
             return proc.wait(timeout=600)
         finally:

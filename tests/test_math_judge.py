@@ -4,7 +4,6 @@ guard's timeout cutting off a computation that holds the GIL, and no signal.alar
 import asyncio
 import signal
 import threading
-import time
 
 import pytest
 
@@ -80,23 +79,23 @@ def test_a_computation_holding_the_gil_is_cut_off_by_the_guard(judge):
     stuck = judge._idle[0].proc
 
     async def run():
-        beats = []
+        beats_while_computing = 0
 
         async def heartbeat():
+            nonlocal beats_while_computing
             while True:
-                beats.append(time.perf_counter())
                 await asyncio.sleep(0.02)
+                beats_while_computing += stuck.poll() is None  # the worker not killed yet
 
         task = asyncio.create_task(heartbeat())
-        start = time.perf_counter()
         with pytest.raises(JudgeError, match="timed out"):
             await JudgeGuard(judge, timeout_s=0.5).score(_sample("\\boxed{9^{9^{7}}}", "1"))
-        elapsed = time.perf_counter() - start
         task.cancel()
-        return elapsed, max(b - a for a, b in zip(beats, beats[1:]))
+        return beats_while_computing
 
-    elapsed, longest_gap = asyncio.run(run())
-    assert elapsed < 3 and longest_gap < 1
+    # The loop kept running while the worker computed (a loop frozen by the computation could
+    # beat at most once before the worker was killed).
+    assert asyncio.run(run()) >= 2
     assert stuck.returncode == -signal.SIGKILL  # killed (and reaped), not left computing
     s = _score(judge, "#### 72", "72")  # a fresh worker takes over
     assert s.reward == pytest.approx(1.1) and judge._idle[0].proc is not stuck

@@ -44,14 +44,21 @@ class CountingAgent:
 
 
 class SleepyTrainer:
-    """Records what it trains; `fit` takes `fit_s` seconds (in a thread, like the real one)."""
+    """Records what it trains; `fit` takes `fit_s` seconds (in a thread, like the real one),
+    and first waits until `until()` holds when given."""
 
-    def __init__(self, fit_s: float):
+    def __init__(self, fit_s: float, until=None):
         self.fit_s = fit_s
+        self.until = until
         self.batches: list[list[Sample]] = []
         self.versions: list[int] = []  # the version each fit was told it trains
 
     def fit(self, batch, version):
+        waited = 0
+        while self.until is not None and not self.until():
+            time.sleep(0.001)
+            waited += 1
+            assert waited < 60_000, "the condition the trainer waits for never came"
         time.sleep(self.fit_s)
         self.batches.append(batch)
         self.versions.append(version)
@@ -67,9 +74,9 @@ def _data(groups=4, per_prompt=4):
 
 
 async def _train(scheduler, steps=8, fit_s=0.02, token_s=0.001, mean_len=8.0, max_tokens=64,
-                 reward_p=0.5):
+                 reward_p=0.5, until=None):
     engine = TimedEngine(token_s, max_tokens, mean_len)
-    trainer = SleepyTrainer(fit_s)
+    trainer = SleepyTrainer(fit_s, until)
     data = _data()
     agent = CountingAgent(engine, reward_p)
     metrics = []
@@ -94,15 +101,22 @@ def _staleness(trainer):
 @pytest.mark.parametrize("partial", [True, False])
 @pytest.mark.parametrize("slow", ["trainer", "rollout"])
 def test_no_trained_sample_exceeds_the_staleness_bound(eta, partial, slow):
-    fit_s, token_s = (0.05, 0.0005) if slow == "trainer" else (0.001, 0.004)
     sched = AsyncScheduler(staleness_threshold=eta, enable_partial_rollout=partial)
-    trainer, engine, metrics = asyncio.run(_train(sched, fit_s=fit_s, token_s=token_s))
+
+    def rollout_caught_up():  # every group admission control allows has finished
+        return not sched._running and sched._launched == (sched._version + eta + 1) * 4
+
+    if slow == "trainer":  # each fit starts once rollout has run as far ahead as it may
+        run = _train(sched, fit_s=0.001, token_s=0.0005, until=rollout_caught_up)
+    else:
+        run = _train(sched, fit_s=0.001, token_s=0.004)
+    trainer, engine, metrics = asyncio.run(run)
     stale = _staleness(trainer)
     assert all(len(b) == 16 for b in trainer.batches)  # every step got a full batch
     assert max(max(b) for b in stale) <= eta
     assert [m["rollout/staleness_max"] for m in metrics] == [float(max(b)) for b in stale]
     if slow == "trainer":
-        # Rollout is fast, so the scheduler runs the full bound ahead (it is used, not just obeyed).
+        # Rollout runs the full bound ahead, so the bound is used, not just obeyed.
         assert max(max(b) for b in stale[eta:]) == eta
     # Admission control: never more groups admitted than can be trained within the bound
     # (a group that expired in flight frees its place).
@@ -116,7 +130,11 @@ def test_admission_control_stops_launching_at_the_bound():
         sched = AsyncScheduler(staleness_threshold=2)
         data = _data()
         await sched.produce_batch(data, CountingAgent(engine), 0)
-        await asyncio.sleep(0.3)  # the trainer never comes back: rollout must stop on its own
+        # The trainer never comes back: rollout must stop on its own. Each time a group finishes
+        # the producer books it and decides whether to launch more in the same call, so once
+        # every launched group is booked, launching has stopped (or exceeded the bound).
+        while sched._running and sched._launched <= 3 * 4:
+            await asyncio.sleep(0)
         launched = sched._launched
         await sched.aclose()
         return launched

@@ -151,11 +151,14 @@ class AsyncScheduler:
     def state_dict(self) -> dict:
         """Finished groups waiting for a batch are kept with their tokens (and versions, so
         the bound still applies after resume); groups in flight or set aside are kept as
-        their prompts and start again from scratch on resume, under the restored policy."""
+        their prompts and start again from scratch on resume, under the restored policy. Groups
+        cancelled as EXPIRED whose task has not ended yet are counted as expired here."""
         def prompts(runs):
             return [GroupRollout(r.index, r.start_version, r.fresh, r.tail) for r in runs]
 
-        return self.ledger.state_dict() | {
+        expiring = [(r.fresh, Status.EXPIRED, r.meter[0])
+                    for r in self._running if r.cancelled is Status.EXPIRED]
+        return self.ledger.state_dict(rejecting=expiring) | {
             "launched": self._launched, "trained_groups": self._trained_groups,
             "accepted": [GroupRollout(r.index, r.start_version, r.fresh, r.tail, meter=list(r.meter),
                                       samples=r.samples) for r in self._accepted],

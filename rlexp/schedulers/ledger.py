@@ -5,6 +5,7 @@ trained. Each scheduler holds one `GroupLedger`."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from rlexp.sample import Sample, Status
 
@@ -50,8 +51,15 @@ class GroupLedger:
         self.counts.clear()
         return out
 
-    def state_dict(self) -> dict:
-        return {"counts": dict(self.counts)}
+    def state_dict(self, rejecting: Sequence[tuple[list[Sample], Status, int]] = ()) -> dict:
+        """The counts, with the groups in `rejecting` (group, status, generated tokens) counted
+        as rejected: groups already cancelled whose rejection has not been booked yet, which
+        a resumed run would otherwise never count."""
+        counts = Counter(self.counts)
+        for group, status, generated in rejecting:
+            counts[f"samples/{status.value}"] += len(group)
+            counts["rollout/untrained_tokens"] += generated
+        return {"counts": dict(counts)}
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = Counter(state["counts"])
