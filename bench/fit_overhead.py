@@ -93,7 +93,7 @@ class Floor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.kl_coef=0.1")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.kl.coef=0.1")
     args = p.parse_args()
     torch.manual_seed(0)
     cfg = default_config(args.overrides)

@@ -6,12 +6,12 @@
 One fixed batch, the same in every process: --samples sequences (groups of --group-size,
 random 0/1 rewards) of --min-len..--max-len tokens, the last 2..rollout.max_response_tokens
 of them the trained response (the default task's shape: short arithmetic prompts, answers of
-a few tokens). The trainer is the default experiment's (conf/trainer/grpo.yaml plus any
-overrides), on the default tiny model, or on --model PATH (a local HF checkpoint, with
-conf/model/local.yaml's trainer settings).
+a few tokens). The trainer is the default experiment's (conf/trainer/default.yaml and the
+algorithm groups, plus any overrides), on the default tiny model, or on --model PATH (a local
+HF checkpoint, with conf/model/local.yaml's trainer settings).
 
 Measured, each side in its own fresh process(es), sides alternating over --blocks blocks:
-  1 worker   GRPOTrainer.fit in one plain process, no process group (unsharded);
+  1 worker   TrainController.fit in one plain process, no process group (unsharded);
   2 workers  the same under `python -m torch.distributed.run --nproc-per-node 2` (gloo,
              FSDP2: each rank holds half the model and trains its token-balanced half of
              the rows, gradients reduced over gloo); rank 0 writes the timings, each fit's

@@ -16,7 +16,7 @@ vLLM process and NCCL.
 
 Both train `--model` (a conf/model name; SmolLM2-135M-Instruct by default, in float32) on the
 default experiment's arithmetic prompts (chat-templated), `--prompts` x `--samples` a step,
-temperature 1, the model config's lr, no KL (TRL beta=0; rlexp kl_coef=0), grad clip 1, one
+temperature 1, the model config's lr, no KL (TRL beta=0; rlexp trainer.kl.coef=0), grad clip 1, one
 update per batch, no gradient checkpointing, on the CPU (TRL's bf16 autocast and checkpointing
 are turned off). Each side logs to MLflow as it does for a user (rlexp: metrics and traces;
 TRL: report_to="mlflow"). A step's time is a whole step, from one step's start to the next

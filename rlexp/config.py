@@ -24,6 +24,9 @@ from rlexp.signatures import static_signature
 OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
 
 
+# The config groups that compose the algorithm, each placed under trainer.<group>
+ALGORITHM_GROUPS = ("advantage", "policy_loss", "mismatch", "kl", "aggregation")
+
 def _job_dirname(sweep_dir: str, num: int, overrides) -> str:
     """A sweep job's directory: `<num>_<the values of the swept keys>`, e.g. `2_staleness_threshold=2`."""
     from rlexp.tracking.sweep import job_run_name, read_sweep
@@ -90,10 +93,11 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
                           f"(data.prompts_per_step * data.samples_per_prompt = {samples})")
     if static:
         return
-    trainer = get_object(cfg.trainer._target_)
-    least = getattr(trainer, "min_samples_per_prompt", 1)
+    target = OmegaConf.select(cfg, "trainer.advantage._target_")
+    estimator = get_object(target) if target else None
+    least = getattr(estimator, "min_samples_per_prompt", 1)
     if cfg.data.samples_per_prompt < least:
-        raise ConfigError(f"data.samples_per_prompt must be >= {least} for {trainer.__name__} (advantages "
+        raise ConfigError(f"data.samples_per_prompt must be >= {least} for {target} (its advantages "
                           f"compare samples of one prompt), got {cfg.data.samples_per_prompt}")
     if OmegaConf.select(cfg, "agent.entrypoint") is not None:
         from rlexp.agents.openai_agent import load_entrypoint

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rlexp.config import resume_config, validate
+from rlexp.config import ALGORITHM_GROUPS, resume_config, validate
 from rlexp.console import quiet_third_party
 from rlexp.errors import ConfigError, RunStopped
 from rlexp.preflight import preflight
@@ -55,6 +55,8 @@ def main(cfg: DictConfig) -> float | None:
     overrides = list(hc.overrides.task)
     if cfg.logger.get("run_name") is None:
         cfg.logger.run_name = ",".join(overrides) if overrides else "default"
+    if not cfg.get("resume"):  # a resumed run keeps the choices saved with its config
+        cfg.algorithm = {g: hc.runtime.choices.get(g) for g in ALGORITHM_GROUPS}
     try:
         run_dir, resume_from = Path(hc.runtime.output_dir), None
         if cfg.get("resume"):  # the interrupted run's own config, its dir, its newest checkpoint

@@ -1,4 +1,4 @@
-"""Fit fixed batches with GRPOTrainer on however many ranks launched it (torchrun, gloo):
+"""Fit fixed batches with TrainController on however many ranks launched it (torchrun, gloo):
 the trainer driven without Ray, Hydra or vLLM. Used by tests/test_distributed_trainer.py.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_fit.py MODEL OUT [--load D] [--save D]
@@ -17,8 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlexp.algorithms.aggregation import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
+from rlexp.algorithms.kl import KLTerm
 from rlexp.sample import Sample, Status, TokenTrace
-from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.controller import TrainController
+
+AGGREGATIONS = {"token_mean": TokenMean(), "seq_mean_token_sum": SeqMeanTokenSum(),
+                "seq_mean_token_mean": SeqMeanTokenMean(), "seq_mean_token_sum_norm": SeqMeanTokenSumNorm(16)}
 
 
 def make_batch(seed: int, groups: int = 4, per_group: int = 4) -> list[Sample]:
@@ -47,6 +52,9 @@ def main() -> None:
     p.add_argument("--save")
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--minibatches", default="1,2")
+    p.add_argument("--aggregation", default="token_mean", choices=list(AGGREGATIONS))
+    p.add_argument("--micro-batch-tokens", type=int, default=40)
+    p.add_argument("--kl-where", default="loss", choices=["loss", "reward"])
     a = p.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -57,9 +65,12 @@ def main() -> None:
         # Adam's eps raised from 1e-8: a weight whose gradient is ~1e-8 turns the summation-order
         # noise of its gradient (1e-13) into a step difference of ~1e-5; the trainer is not at fault
         optimizer = partial(torch.optim.AdamW, lr=1e-3, eps=1e-6)
-        trainer = GRPOTrainer(a.model, temperature=0.7, optimizer=optimizer,
-                              total_steps=10, workers=world, minibatches_per_step=mb, micro_batch_tokens=40,
-                              kl_coef=0.05, old_logprobs="recompute", lora={"rank": a.lora_rank})
+        trainer = TrainController(a.model, temperature=0.7, optimizer=optimizer, total_steps=10,
+                                  workers=world, minibatches_per_step=mb,
+                                  micro_batch_tokens=a.micro_batch_tokens,
+                                  kl=KLTerm(coef=0.05, where=a.kl_where),
+                                  aggregation=AGGREGATIONS[a.aggregation], old_logprobs="recompute",
+                                  lora={"rank": a.lora_rank})
         if a.load:
             trainer.load(Path(a.load) / f"mb{mb}")
         metrics = [trainer.fit(make_batch(a.first_seed + i), a.first_seed + i) for i in range(a.fits)]

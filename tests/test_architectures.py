@@ -357,11 +357,11 @@ def _change(old, new) -> float:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_logprobs_match_the_trainer_before_and_after_a_weight_sync(served):
-    from rlexp.trainer.grpo import GRPOTrainer
+    from rlexp.trainer.controller import TrainController
     from rlexp.weights.ram_file import RamFileTransport
 
     tok, engine = served.tokenizer, served.engine
-    trainer = GRPOTrainer(served.path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
+    trainer = TrainController(served.path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     questions = ["What is 12+3?", "Name a prime number.", "Say hello in French."]
     prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in questions for _ in (0, 1)]

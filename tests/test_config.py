@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import rlexp.config  # noqa: F401  (registers resolvers)
-from rlexp.config import validate
+from rlexp.config import ALGORITHM_GROUPS, validate
 from rlexp.errors import ConfigError
 from rlexp.guards import JudgeGuard
 from rlexp.loop import build_guarded
@@ -43,7 +43,9 @@ def test_every_option_composes_and_validates(group, option):
     cfg = _compose([f"{group}={option}"] + REQUIRED_OVERRIDES.get((group, option), []))
     OmegaConf.resolve(cfg)
     validate(cfg)
-    if group != "experiment":
+    if group in ALGORITHM_GROUPS:  # placed under the trainer
+        assert cfg.trainer[group]._target_.startswith("rlexp.algorithms.")
+    elif group != "experiment":
         assert cfg[group]._target_
 
 
@@ -57,7 +59,7 @@ def test_cheap_groups_instantiate(group):
 BAD_OVERRIDES = [
     ("trainer.total_steps=0", "trainer.total_steps must be >= 1"),
     ("data.prompts_per_step=-3", "data.prompts_per_step must be >= 1"),
-    ("data.samples_per_prompt=1", "samples_per_prompt must be >= 2 for GRPO"),
+    ("data.samples_per_prompt=1", "samples_per_prompt must be >= 2 for rlexp.algorithms.advantages.Group"),
     ("rollout.max_response_tokens=abc", "must be an integer, got 'abc'"),
     ("rollout.temperature=0", "rollout.temperature must be > 0"),
     ("trainer.optimizer.lr=-1", "trainer.optimizer.lr must be > 0"),
@@ -74,7 +76,11 @@ BAD_OVERRIDES = [
     ("scheduler=async scheduler.tail_batch_candidate_step=1 scheduler.tail_batch_trigger_size=99",
      "tail_batch_trigger_size=99 must be <= data.prompts_per_step=32"),
     ("scheduler=async rollout.enable_sleep_mode=true", "use scheduler=sync with it"),
-    ("trainer.off_policy_correction=vtrace", "trainer.off_policy_correction must be one of none"),
+    ("trainer.kl.estimator=k4", "trainer.kl.estimator must be one of k1, k2, k3, low_var_kl"),
+    ("trainer.kl.where=advantage", "trainer.kl.where must be one of loss, reward"),
+    ("trainer.policy_loss.dual_clip=0.5", "trainer.policy_loss.dual_clip must be > 1"),
+    ("mismatch=icepop trainer.mismatch.high=0.9", "trainer.mismatch.high must be > 1"),
+    ("advantage=rloo data.samples_per_prompt=1", "data.samples_per_prompt must be >= 2 for rlexp.algorithms"),
     ("agent._target_=rlexp.agents.nope.Agent", "agent._target_: cannot import 'rlexp.agents.nope.Agent'"),
     ("judge._target_=rlexp.judges.math_exact.Nope", "judge._target_: cannot import"),
     ("trainer.optimizer._target_=torch.optim.Adamw", "trainer.optimizer._target_: cannot import"),
@@ -87,7 +93,7 @@ BAD_OVERRIDES = [
     ("rollout.top_p=1.5", "rollout.top_p must be <= 1, got 1.5"),
     ("evaluator.prompts=0", "evaluator.prompts must be >= 1, got 0"),
     ("trainer.ref_kl_every_n_steps=-1", "trainer.ref_kl_every_n_steps must be >= 0, got -1"),
-    ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.grpo"),
+    ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.controller"),
     ("max_failure_fraction=1.5", "max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
 ]

@@ -12,7 +12,7 @@ import torch
 from rlexp.chat.render import render_prompt
 from rlexp.errors import EngineDead
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
-from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.controller import TrainController
 from rlexp.weights.ram_file import RamFileTransport
 
 TEMPERATURE = 0.7
@@ -75,7 +75,7 @@ async def _check_engine(engine, trainer, tokenizer, transport=None):
 
 
 def _trainer(path):
-    return GRPOTrainer(path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
+    return TrainController(path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
 
 

@@ -119,13 +119,15 @@ def test_runs_go_on_through_mixed_faults_and_count_them(scheduler):
 def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     import torch
 
-    from rlexp.trainer.grpo import GRPOTrainer
+    from rlexp.sample import TokenTrace
+    from rlexp.trainer.controller import TrainController
 
-    trainer = GRPOTrainer(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
-                          ref_kl_every_n_steps=0)
+    trainer = TrainController(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
+                              ref_kl_every_n_steps=0)
     batch = _group(3)
     for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
         s.reward, s.status = r, st
-    adv = trainer.compute_advantages(batch)
-    assert adv[2] == 0
-    assert adv[:2].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent
+        s.trace = TokenTrace([5, 6, 7], [0, 0, 1], [0.0, 0.0, -1.0], [0, 0, 0])
+    adv = trainer.compute_advantages(batch)  # [samples, tokens - 1]: the trained token is the last
+    assert adv[2, -1] == 0
+    assert adv[:2, -1].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent

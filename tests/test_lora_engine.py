@@ -8,7 +8,7 @@ import torch
 
 from rlexp.chat.render import render_prompt
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
-from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.controller import TrainController
 from rlexp.weights.ram_file import RamFileTransport
 
 TEMPERATURE = 0.7
@@ -30,7 +30,7 @@ def _logprob_diff(trainer, prompts, gens) -> float:
 def test_vllm_serves_the_lora_policy_after_a_sync(tiny_model_path, tokenizer):
     from rlexp.rollout.vllm_engine import VLLMEngine
 
-    trainer = GRPOTrainer(tiny_model_path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
+    trainer = TrainController(tiny_model_path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), lora={"rank": 8})
     adapters = [p for p in trainer.model.parameters() if p.requires_grad]
     assert adapters and all(p.ndim == 2 and 8 in p.shape for p in adapters)

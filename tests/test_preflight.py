@@ -87,7 +87,7 @@ def bad_files(tmp_path_factory):
     (["data=hf_disk", "data.source.train_path={d}/hf", "data.source.train_split=training"],
      "hf: no split 'training' (has ['train', 'test'])"),
     (["+trainer.no_such_knob=1"],
-     "trainer.no_such_knob is not an argument of rlexp.trainer.grpo.GRPOTrainer"),
+     "trainer.no_such_knob is not an argument of rlexp.trainer.controller.TrainController"),
     (["agent._target_=rlexp.agents.nope.Agent"], "cannot import 'rlexp.agents.nope.Agent'"),
     (["rollout.max_response_tokens=lots"], "rollout.max_response_tokens must be an integer"),
     (["model=local", "model.path={model}", "data=jsonl", "data.source.train_path={d}/long.jsonl",

@@ -33,7 +33,7 @@ from rlexp.schedulers.sync import SyncScheduler
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
 from rlexp.tracking.mlflow_tracker import MlflowTracker
-from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.controller import TrainController
 from rlexp.weights import protocols as W
 from rlexp.weights.object_store import ObjectStoreTransport
 from rlexp.weights.ram_file import RamFileTransport
@@ -52,7 +52,7 @@ FITS = [
                                       FaultyAgent, AgentGuard)],
     *[(judge, P.Judge) for judge in (MathExactJudge, MultiTurnJudge, FaultyJudge, JudgeGuard)],
     (SyncScheduler, P.Scheduler), (AsyncScheduler, P.Scheduler),
-    (GRPOTrainer, P.Trainer), (TrainerGroup, P.Trainer),
+    (TrainController, P.Trainer), (TrainerGroup, P.Trainer),
     (Evaluator, P.Evaluator), (MlflowTracker, P.Tracker),
     (Calculator, P.Tool), (PythonExpression, P.Tool),
 ]
@@ -191,7 +191,7 @@ if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit it
     def _schedulers(a: SyncScheduler, b: AsyncScheduler) -> list[P.Scheduler]:
         return [a, b]
 
-    def _trainers(a: GRPOTrainer, b: TrainerGroup) -> list[P.Trainer]:
+    def _trainers(a: TrainController, b: TrainerGroup) -> list[P.Trainer]:
         return [a, b]
 
     def _rest(e: Evaluator, m: MlflowTracker) -> tuple[P.Evaluator, P.Tracker]:

@@ -112,12 +112,17 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path):
 @pytest.mark.vllm
 def test_async_run_stays_within_the_staleness_bound(tmp_path):
     client, run, _ = _run_and_open(tmp_path, "scheduler=async", "scheduler.staleness_threshold=2",
-                                   "trainer.off_policy_correction=decoupled")
+                                   "policy_loss=decoupled", "mismatch=icepop")
     _check_mlflow(client, run, trace_version=None)
+    params = run.data.params  # the algorithm's choices, for the compare view
+    assert (params["algorithm.policy_loss"], params["algorithm.mismatch"], params["algorithm.advantage"]) == \
+        ("decoupled", "icepop", "grpo")
+    assert params["trainer.mismatch._target_"] == "rlexp.algorithms.mismatch.TokenMask"
     stale = _history(client, run, "rollout/staleness_max")
     assert max(stale) <= 2 and max(stale) >= 1  # ran ahead of the trainer, never past the bound
     for key in ("rollout/engine_idle_frac", "train/idle_frac", "rollout/untrained_tokens",
                 "samples/expired", "samples/filtered", "samples/resumed", "train/is_weight_mean",
+                "train/masked_token_frac",
                 "offpolicy/ratio_mean/staleness_0"):
         assert key in run.data.metrics, key
     for step in (1, 2, 3):

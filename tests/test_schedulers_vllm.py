@@ -107,9 +107,9 @@ class GatedTrainer:
     the held ones), so no other group is in flight at the weight update that follows."""
 
     def __init__(self, model_path: str, agent: RecordingAgent, data: DrawnData):
-        from rlexp.trainer.grpo import GRPOTrainer
+        from rlexp.trainer.controller import TrainController
 
-        self.trainer = GRPOTrainer(model_path, temperature=SAMPLING.temperature, total_steps=8,
+        self.trainer = TrainController(model_path, temperature=SAMPLING.temperature, total_steps=8,
                                    ref_kl_every_n_steps=0,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
         self.agent, self.data = agent, data

@@ -1,41 +1,17 @@
+"""The TrainController on the tiny model: token batches, logprobs, the update, checkpoints.
+(The algorithm's formulas: test_algorithms*.py.)"""
+
 import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from rlexp.algorithms.kl import KLTerm
+from rlexp.algorithms.policy_losses import TIS, Decoupled, PPOClip
 from rlexp.sample import Sample, Status, TokenTrace
-from rlexp.trainer.advantages import group_advantages
-from rlexp.trainer.grpo import GRPOTrainer
-from rlexp.trainer.losses import clipped_pg_loss, k3_kl
+from rlexp.trainer.controller import TrainController
 from rlexp.trainer.token_batch import TokenBatch
-
-
-def test_group_advantages_normalize_within_groups():
-    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    adv = group_advantages(r, [0, 0, 0, 1, 1, 1])
-    assert adv[0] > 0 > adv[1] and adv[3] < 0 < adv[4]
-    assert abs(adv[:3].sum()) < 1e-5 and abs(adv[3:].sum()) < 1e-5
-    assert torch.allclose(adv[:3].std(unbiased=False), torch.tensor(1.0), atol=1e-4)
-    same = group_advantages(torch.tensor([1.0, 1.0]), [7, 7])
-    assert torch.equal(same, torch.zeros(2))
-
-
-def test_clipped_loss_clips_only_beyond_the_trust_region():
-    old = torch.zeros(4)
-    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.5]))
-    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, ratio, clipped = clipped_pg_loss(logp, old, adv, 0.2, 0.2)
-    assert torch.allclose(ratio, torch.tensor([1.0, 1.5, 0.5, 1.5]))
-    # A>0, r=1.5 > 1.2: clipped (no incentive to push further); A<0, r=0.5 < 0.8: clipped
-    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
-    assert torch.allclose(loss, torch.tensor([-1.0, -1.2, 0.8, 1.5]))
-
-
-def test_k3_kl_zero_iff_equal():
-    a = torch.tensor([-1.0, -2.0])
-    assert torch.equal(k3_kl(a, a), torch.zeros(2))
-    assert (k3_kl(a, a + 0.3) > 0).all()
 
 
 def test_micro_batches_cover_every_row_once_within_budget_longest_first():
@@ -55,7 +31,7 @@ def test_micro_batches_cover_every_row_once_within_budget_longest_first():
 
 def _trainer(path, lr=1e-3, **kw):
     opt = lambda params: torch.optim.SGD(params, lr=lr)  # noqa: E731
-    return GRPOTrainer(path, temperature=0.7, optimizer=opt, total_steps=1, **kw)
+    return TrainController(path, temperature=0.7, optimizer=opt, total_steps=1, **kw)
 
 
 def _batch(tokenizer, texts):
@@ -113,7 +89,7 @@ def test_failed_samples_are_not_trained(tiny_model_path, tokenizer):
 
 
 def test_lr_schedules():
-    from rlexp.trainer.grpo import lr_factor
+    from rlexp.trainer.schedule import lr_factor
 
     cos = lr_factor("cosine", warmup_steps=10, total_steps=110)
     assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0)
@@ -134,7 +110,7 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
 
 def test_no_signal_means_no_update(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("2", 1.0)]), ("2+2=", [("5", 0.0), ("3", 0.0)])])
-    trainer = GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
+    trainer = TrainController(tiny_model_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     batch[0].reward = 0.0  # first step has signal: Adam builds momentum
     trainer.fit(batch, 0)
@@ -158,9 +134,9 @@ def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, token
     uncorrected loss does; off-policy they differ (the correction does something)."""
     texts = [("12+3=", [("15", 1.0), ("99", 0.0), ("1", 0.0)])]
     steps = {}
+    losses = {"none": PPOClip(), "decoupled": Decoupled(is_cap=10.0), "tis": TIS(is_cap=10.0)}
     for mode in ("none", correction):
-        trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, off_policy_correction=mode,
-                           is_cap=10.0)
+        trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, policy_loss=losses[mode])
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         trainer.fit(_on_policy(trainer, _batch(tokenizer, texts), version=0), 0)
         steps[mode] = {k: v - before[k] for k, v in trainer.model.state_dict().items()}
@@ -171,8 +147,8 @@ def test_off_policy_corrections_equal_plain_ppo_on_policy(tiny_model_path, token
 
 def test_importance_weights_are_truncated_and_broken_down_by_staleness(tiny_model_path, tokenizer):
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
-    for mode in ("decoupled", "tis"):
-        trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=0, off_policy_correction=mode, is_cap=2.0)
+    for loss in (Decoupled(is_cap=2.0), TIS(is_cap=2.0)):
+        trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=0, policy_loss=loss)
         batch = _on_policy(trainer, _batch(tokenizer, texts), version=4)
         for s in batch[2:]:  # the second group is one version old, its behaviour policy less sure
             s.trace.logprobs = [lp - 1.0 if m else lp for lp, m in zip(s.logprobs, s.loss_mask)]
@@ -197,9 +173,9 @@ def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)]), ("7+7=", [("14", 1.0), ("1", 0.0)])]
 
     def make():
-        return GRPOTrainer(tiny_model_path, temperature=1.0, total_steps=10, ref_kl_every_n_steps=0,
-                           lr_schedule="cosine", warmup_steps=3,
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+        return TrainController(tiny_model_path, temperature=1.0, total_steps=10, ref_kl_every_n_steps=0,
+                               lr_schedule="cosine", warmup_steps=3,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
 
     a = make()
     a.fit(_batch(tokenizer, texts), 0)
@@ -223,5 +199,5 @@ def test_reference_forward_runs_only_on_the_steps_that_log_kl(tiny_model_path, t
     logged = ["train/kl" in trainer.fit(_batch(tokenizer, texts), v) for v in range(6)]
     assert logged == [False, False, True, False, False, True] and len(calls) == 2
     assert _trainer(tiny_model_path, ref_kl_every_n_steps=0).ref is None  # nothing uses it: not kept
-    with_loss = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, kl_coef=0.1)
+    with_loss = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, kl=KLTerm(coef=0.1))
     assert all("train/kl" in with_loss.fit(_batch(tokenizer, texts), v) for v in range(2))

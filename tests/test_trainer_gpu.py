@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlexp.trainer.grpo import GRPOTrainer
+from rlexp.trainer.controller import TrainController
 from tests.dist_fit import make_batch
 
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu,
@@ -32,8 +32,8 @@ def group(request, monkeypatch):
 
 
 def _trainer(path, **kw):
-    return GRPOTrainer(path, temperature=0.7, optimizer=partial(torch.optim.AdamW, lr=1e-4), total_steps=4,
-                       ref_kl_every_n_steps=1, **kw)
+    return TrainController(path, temperature=0.7, optimizer=partial(torch.optim.AdamW, lr=1e-4),
+                           total_steps=4, ref_kl_every_n_steps=1, **kw)
 
 
 def test_fsdp2_bf16_keeps_fp32_master_weights_and_trains(group, tiny_model_path):

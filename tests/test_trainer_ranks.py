@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlexp.trainer.controller import TrainController
 from rlexp.trainer.distributed import balanced_split
-from rlexp.trainer.grpo import GRPOTrainer
 from tests.dist_fit import make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +82,26 @@ def test_two_ranks_update_like_one_process(runs, minibatches):
     assert two["metrics"][0]["memory/rank_0/peak_mb"] > 0
 
 
+@pytest.mark.parametrize("aggregation, kl_where", [("seq_mean_token_sum", "loss"),
+                                                    ("seq_mean_token_mean", "reward")])
+def test_sequence_aggregations_are_exact_over_ranks_and_micro_batches(tiny_model_path, tmp_path, aggregation,
+                                                                      kl_where):
+    """1 process with the whole minibatch in one micro-batch vs 2 ranks with 40-token
+    micro-batches: the same weights after 2 fits, for minibatches_per_step 1 and 2. The
+    controller hands every mode the same global `Totals` (tokens, sequences); token_mean is the
+    test above, and every mode's arithmetic is exact to 1e-12 in test_algorithms.py. With the KL
+    in the reward, each rank's reference logprobs are gathered before the advantages."""
+    args = ["--fits", "2", "--aggregation", aggregation, "--kl-where", kl_where]
+    one = _fit(tiny_model_path, tmp_path / "one.pt", *args, "--micro-batch-tokens", "100000")
+    two = _fit(tiny_model_path, tmp_path / "two.pt", *args, ranks=2)
+    for mb in (1, 2):
+        diff = _max_diff(one[mb]["weights"], two[mb]["weights"])
+        print(f"{aggregation}, KL in the {kl_where}, minibatches={mb}: max |w1 - w2| = {diff:.2e}")
+        assert diff < 1e-5
+        loss_one, loss_two = (r[mb]["metrics"][1]["train/loss"] for r in (one, two))
+        assert loss_two == pytest.approx(loss_one, abs=1e-6)
+
+
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two(runs, minibatches):
     straight = runs["R3"][minibatches]["weights"]
@@ -91,8 +111,8 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two(runs, minibatches):
 
 def _trainer(path, **kw):
     torch.manual_seed(0)
-    return GRPOTrainer(path, temperature=0.7, optimizer=partial(torch.optim.SGD, lr=0.5), total_steps=2,
-                       ref_kl_every_n_steps=1, **kw)
+    return TrainController(path, temperature=0.7, optimizer=partial(torch.optim.SGD, lr=0.5), total_steps=2,
+                           ref_kl_every_n_steps=1, **kw)
 
 
 def test_lora_trains_only_adapters_and_publishes_merged_weights(tiny_model_path, tmp_path):

@@ -1,5 +1,5 @@
 """TrainerGroup: `trainer.workers` ranks of one torch.distributed group, each a Ray actor
-holding a GRPOTrainer (FSDP2-sharded: rlexp/trainer/distributed.py), behind the Trainer
+holding a TrainController (FSDP2-sharded: rlexp/trainer/distributed.py), behind the Trainer
 Protocol, so the loop drives it like the one-process trainer.
 
 - fit: the batch goes into Ray's object store once; every rank gets all of it and trains
@@ -33,7 +33,7 @@ BUCKET_BYTES = 256 << 20
 
 
 class TrainerWorker:
-    """Runs inside a Ray actor: rank `rank` of the group, its GRPOTrainer built from `spec`
+    """Runs inside a Ray actor: rank `rank` of the group, its TrainController built from `spec`
     (the trainer group's config, with `_target_`)."""
 
     def __init__(self, rank: int, world: int):

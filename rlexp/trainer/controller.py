@@ -1,38 +1,44 @@
-"""GRPO TrainController: group advantages, clipped token-level loss, optimizer step.
+"""TrainController: the model, its optimizer and lr schedule, micro-batching, the distributed
+group, LoRA, checkpoints and the weights the engine gets. It knows no algorithm: it runs the
+`Objective` composed from the config groups (rlexp/algorithms/).
 
-`fit(batch, version)` = advantages -> the trained samples as one TokenBatch (padded tensors,
-built once) -> proximal logprobs (the rollout's, or recomputed) -> reference logprobs (only
-when the loss or this step's `train/kl` needs them) -> forward/backward per micro-batch ->
-optimizer step; metrics stay tensors until one host transfer at the end.
+`fit(batch, version)` = the trained samples as one TokenBatch (padded tensors, built once) ->
+proximal logprobs (the rollout's, or recomputed) -> reference logprobs (only when the
+objective or this step's `train/kl` needs them) -> advantages -> forward/backward per
+micro-batch -> optimizer step; metrics stay tensors until one host transfer at the end.
 
 Distributed (a torch.distributed group is initialised, rlexp/trainer/distributed.py): every
 rank gets the whole batch, shards the model with FSDP2 and trains its token-balanced share
-of each minibatch's rows. The loss is divided by the minibatch's GLOBAL trained-token count
-and gradients are summed over ranks, so the update equals one worker's on the same batch.
-Ranks run equally many micro-batches (FSDP's collectives pair up): a rank with fewer pads
-with a masked-out one. Metrics are summed (maxima: maxed) over ranks before logging."""
+of each minibatch's rows. The aggregation divides by totals counted over the whole minibatch
+(all ranks) and gradients are summed over ranks, so the update equals one worker's on the
+same batch. Ranks run equally many micro-batches (FSDP's collectives pair up): a rank with
+fewer pads with a masked-out one. Metrics are summed (maxima: maxed) over ranks."""
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
-from annotated_types import Ge
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
+from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs, GroupNormalized
+from rlexp.algorithms.aggregation import Aggregation, TokenMean, Totals
+from rlexp.algorithms.kl import KLTerm, kl_estimate
+from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
+from rlexp.algorithms.objective import Objective
+from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip, TokenInputs
+from rlexp.constraints import AtLeast0, AtLeast1, Dtype, Positive
 from rlexp.models.local import resolve_dtype
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
-from rlexp.trainer.advantages import group_advantages
+from rlexp.trainer.fit_metrics import add, add_maxima, add_terms, offpolicy_report, offpolicy_sums
 from rlexp.trainer.lora import (
     ADAPTER_FILE,
     adapters_off,
@@ -41,51 +47,31 @@ from rlexp.trainer.lora import (
     is_adapter,
     merged_weights,
 )
-from rlexp.trainer.losses import clipped_pg_loss, k3_kl, truncated_is_pg_loss
+from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
 
 log = logging.getLogger(__name__)
 
-
-LrSchedule = Literal["constant", "cosine"]
-
-
-def lr_factor(schedule: LrSchedule, warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the base lr at RL step t: linear warm-up, then constant or cosine to 10%."""
-    def factor(t: int) -> float:
-        if t < warmup_steps:
-            return (t + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (t - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
 Piece = tuple[torch.Tensor, int, bool]  # rows, padded width, real (False: a masked-out filler)
 
 
-class GRPOTrainer:
-    min_samples_per_prompt = 2  # advantages compare the samples of one prompt
-
+class TrainController:
     def __init__(
         self,
         model_path: str,
         temperature: Positive,
         optimizer: Callable[..., torch.optim.Optimizer],
         total_steps: AtLeast1,
-        clip_ratio_low: NonNegative = 0.2,
-        clip_ratio_high: NonNegative = 0.2,
-        kl_coef: NonNegative = 0.0,
-        ref_kl_every_n_steps: AtLeast0 = 25,
+        advantage: AdvantageEstimator | None = None,
+        policy_loss: PolicyLoss | None = None,
+        aggregation: Aggregation | None = None,
+        kl: KLTerm | None = None,
+        mismatch: MismatchCorrection | None = None,
         entropy_coef: float = 0.0,
+        ref_kl_every_n_steps: AtLeast0 = 25,
         max_grad_norm: Positive = 1.0,
-        norm_adv_by_std: bool = True,
         old_logprobs: Literal["rollout", "recompute"] = "rollout",
-        off_policy_correction: Literal["none", "decoupled", "tis"] = "none",
-        is_cap: Annotated[float, Ge(1)] = 2.0,
         lr_schedule: LrSchedule = "constant",
         warmup_steps: int = 0,
         minibatches_per_step: AtLeast1 = 1,
@@ -96,13 +82,34 @@ class GRPOTrainer:
         mixed_precision: Literal["none", "bfloat16"] = "none",
         lora: dict | None = None,
     ):
+        """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip)."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
                              "several workers run as a Ray trainer group (cluster=ray)")
         if mixed_precision != "none" and not distributed.sharded():
             raise ValueError("trainer.mixed_precision is FSDP2's: it needs a torch.distributed group")
+        self.objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
+                                   aggregation or TokenMean(), kl or KLTerm(), mismatch or NoCorrection(),
+                                   entropy_coef)
         self.device = distributed.device()
+        self.ref_kl_every_n_steps = ref_kl_every_n_steps
+        self.has_ref = self.objective.kl.coef > 0 or ref_kl_every_n_steps > 0
+        self.lora_scaling = self._build_model(model_path, dtype, gradient_checkpointing, mixed_precision,
+                                              lora)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = optimizer(trained)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
+        self.temperature, self.max_grad_norm = temperature, max_grad_norm
+        # which logprobs the ratio is taken against: the rollout's, or these weights' (a forward)
+        self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
+        # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
+        self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
+
+    def _build_model(self, model_path, dtype, gradient_checkpointing, mixed_precision, lora) -> float | None:
+        """The policy (with LoRA adapters when lora.rank > 0), its frozen reference when one is
+        needed, both sharded when distributed. Returns LoRA's scaling (None: full fine-tuning)."""
         torch_dtype = getattr(torch, resolve_dtype(dtype))
         model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
@@ -110,37 +117,27 @@ class GRPOTrainer:
         spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
         spec |= dict(lora or {})
         check_spec(spec["rank"], spec["alpha"], spec["target_modules"])
-        self.lora_scaling = spec["alpha"] / spec["rank"] if spec["rank"] else None
-        if self.lora_scaling:  # the reference policy is then the model with its adapters off
+        scaling = spec["alpha"] / spec["rank"] if spec["rank"] else None
+        if scaling:  # the reference policy is then the model with its adapters off
             model = add_adapters(model, spec["rank"], spec["alpha"], spec["target_modules"])
         model.to(self.device).train()
         self.model = model
-        self.has_ref = kl_coef > 0 or ref_kl_every_n_steps > 0
         self.ref = None
-        if self.has_ref and not self.lora_scaling:
+        if self.has_ref and not scaling:
             self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
         if distributed.sharded():
             for m in (self.model, self.ref):
                 if m is not None:
                     distributed.shard(m, None if mixed_precision == "none" else mixed_precision)
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = optimizer(trained)
-        total = sum(p.numel() for p in self.model.parameters())
+        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("trainer: rank %d of %d, %s, %d of %d parameters trained%s", self.rank, self.world,
-                 self.device, sum(p.numel() for p in trained), total,
-                 f" (LoRA rank {spec['rank']})" if self.lora_scaling else "")
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
-        self.temperature, self.max_grad_norm = temperature, max_grad_norm
-        # the loss
-        self.clip = (clip_ratio_low, clip_ratio_high)
-        self.kl_coef, self.entropy_coef = kl_coef, entropy_coef
-        self.ref_kl_every_n_steps = ref_kl_every_n_steps
-        self.norm_adv_by_std = norm_adv_by_std
-        # off-policy data: which logprobs the ratio is taken against, and how it is corrected
-        self.old_logprobs, self.correction, self.is_cap = old_logprobs, off_policy_correction, is_cap
-        # how the batch is cut: optimizer steps per fit, tokens per packed row
-        self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
+                 self.device, n_trained, sum(p.numel() for p in model.parameters()),
+                 f" (LoRA rank {spec['rank']})" if scaling else "")
+        return scaling
+
+    @property
+    def min_samples_per_prompt(self) -> int:
+        return getattr(self.objective.advantage, "min_samples_per_prompt", 1)
 
     # ---- low-level API -------------------------------------------------------------
     @torch.no_grad()
@@ -156,30 +153,31 @@ class GRPOTrainer:
         with self._reference() as ref:
             return self._per_sample(ref, batch)
 
-    def compute_advantages(self, batch: list[Sample]) -> torch.Tensor:
-        """Over each group's completed samples; a failed sample (never trained) gets 0 and
-        does not shift its group's mean."""
-        rewards = torch.tensor([s.reward for s in batch], dtype=torch.float32)
-        groups = [s.group_id if s.status == Status.COMPLETED else ("excluded", i)
-                  for i, s in enumerate(batch)]
-        return group_advantages(rewards, groups, self.norm_adv_by_std)
+    def compute_advantages(self, batch: list[Sample],
+                           token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, T] per-token advantages of the whole batch (T: the longest sample's tokens - 1,
+        aligned like TokenBatch); a failed sample gets 0 and shifts no baseline or statistic.
+        `token_rewards` [N, T]: per-token rewards (the KL penalty in the reward)."""
+        width = max((len(s.tokens) for s in batch), default=1)
+        mask = torch.zeros(len(batch), max(width - 1, 0))
+        for i, s in enumerate(batch):
+            if s.status == Status.COMPLETED and s.response_length:
+                mask[i, :len(s.tokens) - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        x = AdvantageInputs(rewards=torch.tensor([s.reward for s in batch], dtype=torch.float32),
+                            groups=[s.group_id for s in batch],
+                            completed=torch.tensor([s.status == Status.COMPLETED for s in batch]),
+                            mask=mask, token_rewards=token_rewards)
+        return self.objective.advantages(x)
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
         """Every rank calls it with the whole batch."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        adv = self.compute_advantages(batch)
-        # Every group's rewards equal and no KL/entropy term: the gradient is zero. An optimizer
-        # step would still move the weights on Adam's momentum from earlier steps, so skip it
-        # (the forward still runs: loss, entropy and KL are logged as on any step).
-        no_signal = not adv.abs().sum() and self.kl_coef == 0 and self.entropy_coef == 0
         trained = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"train/skipped_step": 1.0, "train/advantage_abs_mean": 0.0}
         if trained:
             tb = TokenBatch.build([batch[i] for i in trained], version)
-            metrics = self._update(tb, adv[trained], version, step=not no_signal)
-        metrics["train/skipped_step"] = float(no_signal)
-        metrics["train/advantage_abs_mean"] = adv.abs().mean().item() if len(adv) else 0.0
+            metrics = self._update(batch, trained, tb, version)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics[f"memory/rank_{self.rank}/peak_mb"] = distributed.peak_memory_mb(self.device)
         # One schedule step per fit (per RL step), on purpose also when a no-signal step skipped
@@ -238,7 +236,7 @@ class GRPOTrainer:
         uses it, or on the steps that log `train/kl`."""
         every = self.ref_kl_every_n_steps
         logs_kl = every > 0 and (self.fits_done + 1) % every == 0
-        return self.has_ref and (self.kl_coef > 0 or logs_kl)
+        return self.has_ref and (self.objective.kl.coef > 0 or logs_kl)
 
     @contextmanager
     def _reference(self):
@@ -257,7 +255,7 @@ class GRPOTrainer:
         logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
         ent = None
         if entropy:  # logged every step; differentiated only when the loss has an entropy term
-            src = logp_all if self.entropy_coef else logp_all.detach()
+            src = logp_all if self.objective.entropy_coef else logp_all.detach()
             ent = -(src.exp() * src).sum(-1)
         return logp, ent
 
@@ -295,33 +293,31 @@ class GRPOTrainer:
                 out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
 
-    def _token_terms(self, logp, ent, old_lp, behav_lp, adv, ref_lp):
-        """The per-token loss, and every per-token quantity logged with it."""
-        if self.correction == "tis":
-            pg, ratio, clipped = truncated_is_pg_loss(logp, behav_lp, adv, self.is_cap)
-            weight, truncated = torch.clamp(ratio, max=self.is_cap), clipped
-        else:
-            pg, ratio, clipped = clipped_pg_loss(logp, old_lp, adv, *self.clip)
-        if self.correction == "decoupled":  # AReaL: PPO around the proximal policy,
-            behav_weight = torch.exp(old_lp - behav_lp)  # reweighted to it
-            weight = behav_weight.clamp(max=self.is_cap)
-            truncated = (behav_weight > self.is_cap).float()
-            pg = pg * weight
-        loss_tok = pg - self.entropy_coef * ent if self.entropy_coef else pg
-        terms = {"pg_loss": pg, "entropy": ent, "clip_frac": clipped, "ratio_mean": ratio}
-        if ref_lp is not None:
-            terms["kl"] = kl = k3_kl(logp, ref_lp)
-            if self.kl_coef > 0:
-                loss_tok = loss_tok + self.kl_coef * kl
-        if self.correction != "none":
-            terms |= {"is_weight_mean": weight, "is_truncated_frac": truncated}
-        return loss_tok, terms | {"loss": loss_tok}
+    def _ref_logprobs(self, tb: TokenBatch, pieces: list[Piece]) -> torch.Tensor | None:
+        if not self._wants_ref():
+            return None
+        with self._reference() as ref_model:
+            return self._logprobs(ref_model, tb, pieces)
 
-    def _update(self, tb: TokenBatch, adv: torch.Tensor, version: int, step: bool) -> dict[str, float]:
-        """Optimizer steps (none if not `step`) over `minibatches_per_step` slices of the
-        rows. The PPO ratio is clipped around the proximal logprobs (the rollout's, or
-        recomputed with these weights); metrics are summed as tensors and read once."""
-        dev = self.device
+    def _advantages(self, batch, trained, tb: TokenBatch, old, ref) -> torch.Tensor:
+        """[rows of tb, T] on the device. With the KL in the reward, its per-token penalty
+        (old vs reference logprobs, every rank's rows gathered) enters the advantages."""
+        token_rewards = None
+        if self.objective.kl.in_reward:
+            assert ref is not None, "the KL is in the reward: the reference runs every step"
+            old_all = distributed.all_reduce_(old.clone(), "sum") if self.recompute else old
+            ref_all = distributed.all_reduce_(ref.clone(), "sum")
+            penalty = self.objective.kl.token_rewards(old_all, ref_all, tb.loss_mask.to(old.device)).cpu()
+            width = max(len(s.tokens) for s in batch) - 1
+            token_rewards = torch.zeros(len(batch), width)
+            token_rewards[trained, :penalty.shape[1]] = penalty
+        adv = self.compute_advantages(batch, token_rewards)
+        return adv[trained, :tb.loss_mask.shape[1]].to(self.device)
+
+    def _update(self, batch: list[Sample], trained: list[int], tb: TokenBatch,
+                version: int) -> dict[str, float]:
+        """Optimizer steps over `minibatches_per_step` slices of the rows (none when nothing
+        carries signal); metrics are summed as tensors and read once."""
         n_mb = min(self.minibatches_per_step, len(tb))
         # each minibatch's rows dealt to the ranks; per minibatch: its rows, this rank's pieces,
         # every rank's real pieces
@@ -331,88 +327,69 @@ class GRPOTrainer:
         # the logprobs taken before the update: of every row this rank trains in any minibatch
         my_pieces = self._pieces(tb, [sorted(i for share in shares for i in share[r])
                                       for r in range(self.world)])[0]
-        behav = tb.behav_logprobs.to(dev)
-        recompute = self.old_logprobs == "recompute" or self.correction == "decoupled"
-        old = self._logprobs(self.model, tb, my_pieces) if recompute else behav
-        ref = None
-        if self._wants_ref():
-            with self._reference() as ref_model:
-                ref = self._logprobs(ref_model, tb, my_pieces)
-        mask_all, adv = tb.loss_mask.to(dev), adv.to(dev)
-        # staleness values present, read on the host from the samples: no device sync
-        levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))
+        behav = tb.behav_logprobs.to(self.device)
+        old = self._logprobs(self.model, tb, my_pieces) if self.recompute else behav
+        ref = self._ref_logprobs(tb, my_pieces)
+        adv = self._advantages(batch, trained, tb, old, ref)
+        # No advantage and no KL or entropy term: the gradient is zero. An optimizer step would
+        # still move the weights on Adam's momentum, so skip it (the forwards still run and log).
+        no_signal = (not (adv * tb.loss_mask.to(self.device)).abs().sum() and not self.objective.kl.in_loss
+                     and not self.objective.entropy_coef)
+        levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))  # read on the host: no sync
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
-        grad_norm_sum = torch.zeros((), device=dev)
+        grad_norm_sum = torch.zeros((), device=self.device)
         forwarded: list[tuple[torch.Tensor, int]] = []
         for m, (rows, mine, everyone) in enumerate(plan):
             forwarded += [(idx, width) for idx, width, _ in everyone]
-            n_tokens = float(tb.loss_mask[rows].sum())  # over all ranks: the global token-mean
-            part: dict[str, torch.Tensor] = {}
-            for idx, width, real in mine:
-                idx_d = idx.to(dev)
-                cols = slice(0, width - 1)
-                logp, ent = self._forward(self.model, tb, idx, width, entropy=True)
-                mask = mask_all[idx_d, cols] if real else torch.zeros_like(logp)
-                old_lp, behav_lp = old[idx_d, cols], behav[idx_d, cols]
-                ref_lp = ref[idx_d, cols] if ref is not None else None
-                loss_tok, tok = self._token_terms(logp, ent, old_lp, behav_lp, adv[idx_d, None], ref_lp)
-                ((loss_tok * mask).sum() / n_tokens).backward()
-                _max(maxes, "ratio_max", (tok["ratio_mean"] * mask).max())
-                if "is_weight_mean" in tok:
-                    _max(maxes, "is_weight_max", (tok["is_weight_mean"] * mask).max())
-                # Before the first optimizer step the trainer holds the rollout policy, so this
-                # is the trainer/engine numerical mismatch (0 up to float error when on-policy).
-                if m == 0:
-                    tok["mismatch_kl"] = k3_kl(logp, old_lp)
-                    stale = tb.staleness[idx, cols].to(dev)
-                    _offpolicy_sums(part, logp.detach(), behav_lp, stale, mask, levels)
-                for k, v in tok.items():
-                    _add(part, k, (v.detach() * mask).sum() / n_tokens)
+            mask_rows = tb.loss_mask[rows]  # over all ranks: the aggregation's global totals
+            totals = Totals(tokens=float(mask_rows.sum()), seqs=float((mask_rows.sum(-1) > 0).sum()))
+            part = self._minibatch(tb, mine, totals, (old, behav, ref, adv), levels, maxes, first=m == 0)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            if step:
+            if not no_signal:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             grad_norm_sum = grad_norm_sum + distributed.full_tensor(grad_norm)  # the same on every rank
             for k, v in part.items():
-                _add(sums, k, v)
+                add(sums, k, v)
+        out = self._reduce(sums, maxes, grad_norm_sum, n_mb)
+        out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
+        out["train/pad_frac"] = tb.pad_frac(forwarded)
+        out["train/skipped_step"] = float(no_signal)
+        mask = tb.loss_mask.to(self.device)
+        per_sample = (adv.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        out["train/advantage_abs_mean"] = per_sample.sum().item() / len(batch)
+        return offpolicy_report(out, levels)
+
+    def _minibatch(self, tb: TokenBatch, mine: list[Piece], totals: Totals, logprobs, levels,
+                   maxes: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
+        """Forward/backward of this rank's micro-batches of one minibatch; their metric sums."""
+        old, behav, ref, adv = logprobs
+        dev = self.device
+        part: dict[str, torch.Tensor] = {}
+        for idx, width, real in mine:
+            idx_d, cols = idx.to(dev), slice(0, width - 1)
+            logp, ent = self._forward(self.model, tb, idx, width, entropy=True)
+            mask = tb.loss_mask[idx, cols].to(dev) if real else torch.zeros_like(logp)
+            x = TokenInputs(logp, old[idx_d, cols], behav[idx_d, cols], adv[idx_d, cols], mask)
+            loss_tok, terms = self.objective.token_loss(x, ent, ref[idx_d, cols] if ref is not None else None)
+            self.objective.aggregate(loss_tok, mask, totals).backward()
+            add_maxima(maxes, terms, mask)
+            # Before the first optimizer step the trainer holds the rollout policy, so this is
+            # the trainer/engine numerical mismatch (0 up to float error when on-policy).
+            if first:
+                terms["mismatch_kl"] = kl_estimate(logp, x.old_logp, "k3")
+                stale = tb.staleness[idx, cols].to(dev)
+                offpolicy_sums(part, logp.detach(), x.behav_logp, stale, mask, levels)
+            add_terms(part, terms, mask, totals.tokens, totals.seqs)
+        return part
+
+    def _reduce(self, sums, maxes, grad_norm_sum, n_mb) -> dict[str, float]:
+        """Means over minibatches, summed (maxima: maxed) over ranks, read in one transfer."""
         means = {f"train/{k}": v / (1 if k.startswith("offpolicy") or k == "mismatch_kl" else n_mb)
                  for k, v in sums.items()}
         summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")
         maxed = distributed.all_reduce_(torch.stack(list(maxes.values())), "max")
         names = list(means) + [f"train/{k}" for k in maxes] + ["train/grad_norm"]
         values = torch.cat([summed, maxed, (grad_norm_sum / n_mb)[None]]).tolist()  # the one host transfer
-        out = dict(zip(names, values))
-        out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
-        out["train/pad_frac"] = tb.pad_frac(forwarded)
-        return _offpolicy_report(out, levels)
-
-
-def _add(acc: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    acc[key] = acc[key] + value if key in acc else value
-
-
-def _max(acc: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
-    acc[key] = torch.maximum(acc[key], value) if key in acc else value
-
-
-def _offpolicy_sums(acc, logp, behav_lp, staleness, mask, levels) -> None:
-    """Per staleness value: token count, sum of pi/pi_behav, sum of k3 KL between them."""
-    ratio, kl = torch.exp(logp - behav_lp), k3_kl(logp, behav_lp)
-    for k in levels:
-        sel = ((staleness == k) & mask.bool()).float()
-        _add(acc, f"offpolicy/{k}/tokens", sel.sum())
-        _add(acc, f"offpolicy/{k}/ratio", (ratio * sel).sum())
-        _add(acc, f"offpolicy/{k}/kl", (kl * sel).sum())
-
-
-def _offpolicy_report(out: dict[str, float], levels: list[int]) -> dict[str, float]:
-    """Trainer vs rollout, by staleness, measured before the first optimizer step."""
-    for k in levels:
-        n = out.pop(f"train/offpolicy/{k}/tokens")
-        ratio_sum, kl_sum = out.pop(f"train/offpolicy/{k}/ratio"), out.pop(f"train/offpolicy/{k}/kl")
-        if n:
-            out[f"offpolicy/tokens/staleness_{k}"] = n
-            out[f"offpolicy/ratio_mean/staleness_{k}"] = ratio_sum / n
-            out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
-    return out
+        return dict(zip(names, values))

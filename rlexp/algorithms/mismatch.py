@@ -1,0 +1,103 @@
+"""Rollout/training mismatch corrections: the rollout engine's logprobs (`behav_logp`) and the
+trainer's own before the update (`old_logp`, recomputed) differ, by kernels and precision and,
+under the async scheduler, by policy versions. A correction turns rho = pi_old / pi_behav into
+a weight on each token's loss and a mask of the tokens kept:
+
+    (weight [n, T] or None, keep [n, T] or None, metrics)
+
+A masked token's loss is 0, and it still counts in the aggregation's denominator (IcePop's
+objective is normalised by every token), so masking never rescales the tokens kept. Every
+correction except `NoCorrection` needs the trainer's recomputed logprobs (one more forward)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Protocol
+
+import torch
+from annotated_types import Ge, Gt, Lt
+
+from rlexp.algorithms.ratios import clamped_exp, seq_log_ratio
+
+Correction = tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]
+Cap = Annotated[float, Ge(1)]
+Below1 = Annotated[float, Ge(0), Lt(1)]  # a band [low, high] around ratio 1
+Above1 = Annotated[float, Gt(1)]
+
+
+class MismatchCorrection(Protocol):
+    needs_recompute: bool
+
+    def __call__(self, old_logp: torch.Tensor, behav_logp: torch.Tensor,
+                 mask: torch.Tensor) -> Correction: ...
+
+
+class NoCorrection:
+    needs_recompute = False
+
+    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+        return None, None, {}
+
+
+class TokenTIS:
+    """Token-level truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"; Espeholt et al. 2018): w_t = min(rho_t, cap)."""
+
+    needs_recompute = True
+
+    def __init__(self, is_cap: Cap = 2.0):
+        self.cap = is_cap
+
+    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+        ratio = clamped_exp(old_logp - behav_logp).detach()
+        weight = ratio.clamp(max=self.cap)
+        return weight, None, {"is_weight_mean": weight, "is_truncated_frac": (ratio > self.cap).float()}
+
+
+class SeqTIS:
+    """Sequence-level truncated importance sampling: one weight per sequence,
+    w_i = min(prod_t rho_t, cap) = min(exp(sum_t log rho_t), cap), on all its tokens
+    (verl's rollout_is=sequence)."""
+
+    needs_recompute = True
+
+    def __init__(self, is_cap: Cap = 2.0):
+        self.cap = is_cap
+
+    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+        ratio = clamped_exp(seq_log_ratio(old_logp - behav_logp, mask)).detach()
+        weight = ratio.clamp(max=self.cap)
+        return (weight[:, None].expand_as(mask), None,
+                {"is_weight_mean": weight, "is_truncated_frac": (ratio > self.cap).float()})
+
+
+class TokenMask:
+    """IcePop (Ling Team 2025, Ring-1T, arXiv:2510.18855): tokens whose rho_t lies outside
+    [low, high] are masked out of the loss; the rest are kept with weight 1."""
+
+    needs_recompute = True
+
+    def __init__(self, low: Below1 = 0.5, high: Above1 = 2.0):
+        self.low, self.high = low, high
+
+    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+        ratio = clamped_exp(old_logp - behav_logp).detach()
+        keep = ((ratio >= self.low) & (ratio <= self.high)).float()
+        return None, keep, {"masked_token_frac": 1.0 - keep}
+
+
+class SeqMask:
+    """Masked importance sampling at sequence level (MIS; Liu et al. 2025, "When speed kills
+    stability: demystifying RL collapse from the training-inference mismatch"): a sequence whose
+    ratio lies outside [low, high] is masked out whole. The ratio is prod_t rho_t, or with
+    `geometric` its geometric mean exp(mean_t log rho_t), which does not grow with length."""
+
+    needs_recompute = True
+
+    def __init__(self, low: Below1 = 0.5, high: Above1 = 2.0, geometric: bool = True):
+        self.low, self.high, self.geometric = low, high, geometric
+
+    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+        ratio = clamped_exp(seq_log_ratio(old_logp - behav_logp, mask, mean=self.geometric)).detach()
+        keep = ((ratio >= self.low) & (ratio <= self.high)).float()
+        keep_tokens = keep[:, None].expand_as(mask)
+        return None, keep_tokens, {"masked_seq_frac": 1.0 - keep, "masked_token_frac": 1.0 - keep_tokens}
