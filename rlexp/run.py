@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.logger.get("run_name") is None:
         cfg.logger.run_name = ",".join(overrides) if overrides else "default"
     if not cfg.get("resume"):  # a resumed run keeps the choices saved with its config
-        cfg.algorithm = {g: hc.runtime.choices.get(g) for g in ALGORITHM_GROUPS}
+        cfg.algorithm = {g: hc.runtime.choices.get(g) for g in (*ALGORITHM_GROUPS, "recipe")}
     try:
         run_dir, resume_from = Path(hc.runtime.output_dir), None
         if cfg.get("resume"):  # the interrupted run's own config, its dir, its newest checkpoint

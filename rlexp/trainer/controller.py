@@ -135,10 +135,6 @@ class TrainController:
                  f" (LoRA rank {spec['rank']})" if scaling else "")
         return scaling
 
-    @property
-    def min_samples_per_prompt(self) -> int:
-        return getattr(self.objective.advantage, "min_samples_per_prompt", 1)
-
     # ---- low-level API -------------------------------------------------------------
     @torch.no_grad()
     def compute_old_logprobs(self, batch: list[Sample]) -> list[torch.Tensor]:
