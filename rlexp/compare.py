@@ -192,6 +192,11 @@ def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return [_plot_eval(plt, client, groups, out / "compare_settings_eval_accuracy.png"),
+            _plot_staleness(plt, client, groups, out / "compare_settings_staleness.png")]
+
+
+def _plot_eval(plt, client, groups: dict[str, list], path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for name, runs in groups.items():
         curves = [history(client, r.info.run_id, "eval/accuracy") for r in runs]
@@ -214,10 +219,12 @@ def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    files = [out / "compare_settings_eval_accuracy.png"]
-    fig.savefig(files[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
 
+
+def _plot_staleness(plt, client, groups: dict[str, list], path: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(len(groups), 1)
     for i, (name, runs) in enumerate(groups.items()):
@@ -244,10 +251,9 @@ def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    files.append(out / "compare_settings_staleness.png")
-    fig.savefig(files[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return files
+    return path
 
 
 def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = None) -> Path:

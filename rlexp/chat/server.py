@@ -49,9 +49,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="rlexp policy server")
-
+def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+    """The API key and body-size checks, and every error as an OpenAI-shaped JSON answer."""
     @app.middleware("http")
     async def check_key_and_size(request: Request, call_next):
         if api_key and request.url.path != "/health":
@@ -62,15 +61,6 @@ def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY
         if not declared.isdigit() or int(declared) > max_body_bytes:
             return _error(413, f"the request body is over the limit of {max_body_bytes} bytes")
         return await call_next(request)
-
-    async def body_of(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:  # a chunked body declares no length
-            raise SessionError(f"the request body is over the limit of {max_body_bytes} bytes", status=413)
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep
-            raise SessionError("the request body is not valid JSON") from None
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError):
@@ -83,6 +73,20 @@ def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY
     @app.exception_handler(EngineDead)
     async def engine_dead(request: Request, exc: EngineDead):
         return _error(503, str(exc), "server_error")
+
+
+def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="rlexp policy server")
+    _guard(app, api_key, max_body_bytes)
+
+    async def body_of(request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:  # a chunked body declares no length
+            raise SessionError(f"the request body is over the limit of {max_body_bytes} bytes", status=413)
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
+            raise SessionError("the request body is not valid JSON") from None
 
     @app.get("/health")
     async def health():

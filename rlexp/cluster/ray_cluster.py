@@ -49,14 +49,14 @@ class RayCluster:
                  ready_timeout_s: Positive = 600.0, trainer_workers: AtLeast1 = 1,
                  cpus_per_trainer_worker: Positive = 1.0):
         import ray
-        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.placement_group import placement_group_table
 
         self.replicas, self.placement = replicas, placement
         self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
         self.trainer_workers = trainer_workers
         self._owns_ray = not ray.is_initialized()
-        self._reaper = None
+        self._reaper: Any = None  # the process that takes down what ray.init started
         num_gpus = None
         driver_trains = trainer_workers == 1
         if address is None and placement == "split" and torch.cuda.device_count() > 0 and driver_trains:
@@ -67,25 +67,44 @@ class RayCluster:
             num_gpus = torch.cuda.device_count() - 1
             torch.cuda.set_device(num_gpus)
         if self._owns_ray:
-            before = reaper.snapshot()
-            # "local": a new Ray for this run even where RAY_ADDRESS or a `ray start` says otherwise
-            own = address is None
-            if own and num_cpus is None:  # logical CPUs, for placement: a laptop may oversubscribe
+            if address is None and num_cpus is None:  # logical CPUs, for placement: may oversubscribe
                 num_cpus = max(os.cpu_count() or 1, math.ceil(
                     replicas * cpus_per_replica + (trainer_workers * cpus_per_trainer_worker
                                                    if trainer_workers > 1 else 0)))
-            ray.init(address=address or "local", num_cpus=num_cpus if own else None,
-                     num_gpus=num_gpus if own else None, include_dashboard=False,
-                     logging_level=logging.WARNING)
-            # A local Ray's GCS and raylet die with this process, but its dashboard and
-            # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
-            # down every process ray.init started (the actors go with their raylet).
-            self._reaper = reaper.start(before)
+            self._start_ray(address, num_cpus, num_gpus)
         resources = ray.cluster_resources()
         self.gpu = resources.get("GPU", 0) > 0
         self.bundle = {"CPU": cpus_per_replica} | ({"GPU": gpus_per_replica} if self.gpu else {})
         self.trainer_bundle = {"CPU": cpus_per_trainer_worker} | ({"GPU": 1} if self.gpu else {})
         trainer_bundles = trainer_workers if trainer_workers > 1 else 0
+        self._check_fits(resources, trainer_bundles)
+        self._place(trainer_bundles)
+        self.nodes = sorted(set(placement_group_table(self.pg)["bundles_to_node_id"].values()))
+        self.driver_node = ray.get_runtime_context().get_node_id()
+        self.multi_node = self.nodes != [self.driver_node]
+        self.pool: RolloutPool | None = None
+        self.group: Any = None
+        log.info("ray: %s; %d rollout bundle(s) of %s on %d node(s), placement=%s",
+                 "started a local Ray" if self._owns_ray and address is None else f"joined {address}",
+                 replicas, self.bundle, len(self.nodes), placement)
+
+    def _start_ray(self, address: str | None, num_cpus: int | None, num_gpus: int | None) -> None:
+        import ray
+
+        before = reaper.snapshot()
+        # "local": a new Ray for this run even where RAY_ADDRESS or a `ray start` says otherwise
+        own = address is None
+        ray.init(address=address or "local", num_cpus=num_cpus if own else None,
+                 num_gpus=num_gpus if own else None, include_dashboard=False,
+                 logging_level=logging.WARNING)
+        # A local Ray's GCS and raylet die with this process, but its dashboard and
+        # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
+        # down every process ray.init started (the actors go with their raylet).
+        self._reaper = reaper.start(before)
+
+    def _check_fits(self, resources: dict, trainer_bundles: int) -> None:
+        """The bundles fit in the cluster, and the placement is one this cluster supports."""
+        replicas, trainer_workers = self.replicas, self.trainer_workers
         for kind in self.bundle:
             needed = replicas * self.bundle[kind] + trainer_bundles * self.trainer_bundle[kind]
             if needed > resources.get(kind, 0):
@@ -97,16 +116,22 @@ class RayCluster:
                     + f" do not fit in the Ray cluster's {resources.get(kind, 0):g} {kind}s "
                     "(cluster.cpus_per_replica, rollout.gpus_per_replica, cluster.cpus_per_trainer_worker, "
                     "cluster.num_cpus)")
-        if self.gpu and trainer_bundles and placement == "colocate":
+        if self.gpu and trainer_bundles and self.placement == "colocate":
             self.shutdown()
             raise ConfigError("placement=colocate with trainer.workers > 1 on GPU is not supported yet: "
                               "use placement=split")
-        if placement == "colocate" and self.gpu and (gpus_per_replica > 1 or replicas > 1):
+        if self.placement == "colocate" and self.gpu and (self.gpus_per_replica > 1 or replicas > 1):
             self.shutdown()  # CUDA IPC handles open on the trainer's GPU only
             raise ConfigError("placement=colocate shares the trainer's GPU with the rollout replica: it "
                               "needs rollout.replicas=1 and rollout.gpus_per_replica=1 (until the trainer "
                               "runs as Ray actors beside each replica)")
-        self.pg = placement_group([dict(self.bundle) for _ in range(replicas)], strategy="PACK")
+
+    def _place(self, trainer_bundles: int) -> None:
+        """Placement groups for the replicas (and the trainer's ranks), ready or a ConfigError."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.replicas)], strategy="PACK")
         self.trainer_pg = None
         if trainer_bundles:
             self.trainer_pg = placement_group([dict(self.trainer_bundle) for _ in range(trainer_bundles)],
@@ -114,20 +139,12 @@ class RayCluster:
         try:
             for pg in (self.pg, self.trainer_pg):
                 if pg is not None:
-                    ray.get(pg.ready(), timeout=ready_timeout_s)
+                    ray.get(pg.ready(), timeout=self.ready_timeout_s)
         except Exception as e:
             self.shutdown()
-            raise ConfigError(f"the Ray cluster could not place {replicas} bundles of {self.bundle}"
+            raise ConfigError(f"the Ray cluster could not place {self.replicas} bundles of {self.bundle}"
                               + (f" and {trainer_bundles} of {self.trainer_bundle}" * bool(trainer_bundles))
-                              + f" within {ready_timeout_s:g}s: {e}") from e
-        self.nodes = sorted(set(placement_group_table(self.pg)["bundles_to_node_id"].values()))
-        self.driver_node = ray.get_runtime_context().get_node_id()
-        self.multi_node = self.nodes != [self.driver_node]
-        self.pool: RolloutPool | None = None
-        self.group: Any = None
-        log.info("ray: %s; %d rollout bundle(s) of %s on %d node(s), placement=%s",
-                 "started a local Ray" if self._owns_ray and address is None else f"joined {address}",
-                 replicas, self.bundle, len(self.nodes), placement)
+                              + f" within {self.ready_timeout_s:g}s: {e}") from e
 
     def _actor_share(self) -> dict[str, float]:
         """What one replica's actor takes of its bundle."""

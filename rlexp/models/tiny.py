@@ -103,11 +103,22 @@ def build_tiny_model(
         return str(out)
 
     import torch  # here, not at the top: a cached model is found without importing torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     t0 = time.time()
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
+    model = _random_model(tokenizer, hidden_size, num_layers, num_heads)
+    train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
+    _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
+                warm_start_target_accuracy, seed, warm_start_format)
+    _save_atomically(model, tokenizer, out, args, key)
+    log.info("tiny model: built %s in %.1fs", out, time.time() - t0)
+    return str(out)
+
+
+def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     config = Qwen2Config(
         vocab_size=128,
         hidden_size=hidden_size,
@@ -122,10 +133,12 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    model = Qwen2ForCausalLM(config)
-    train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
-    _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
-                warm_start_target_accuracy, seed, warm_start_format)
+    return Qwen2ForCausalLM(config)
+
+
+def _save_atomically(model, tokenizer, out: Path, args: dict, key: str) -> None:
+    """Written beside `out`, then renamed: a crashed build never leaves a half-written cache
+    entry. Warns when the weights differ from the reference build of this configuration."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -138,9 +151,7 @@ def build_tiny_model(
                     "will not reproduce the README's figures exactly (README: Reproducibility)",
                     where, ", ".join(f"{k} {v}" for k, v in made_with.items()))
     shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)  # atomic: a crashed build never leaves a half-written cache entry
-    log.info("tiny model: built %s in %.1fs", out, time.time() - t0)
-    return str(out)
+    tmp.rename(out)
 
 
 def build_environment() -> dict[str, str]:

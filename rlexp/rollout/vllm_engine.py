@@ -74,9 +74,6 @@ class VLLMEngine:
         replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,
     ):
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             model=model_path,
@@ -102,17 +99,7 @@ class VLLMEngine:
             kwargs["tensor_parallel_size"] = gpus_per_replica
         else:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
-        t0 = time.time()
-        # vLLM's IPC sockets go into a directory of this engine's, so that a later run can
-        # remove them (and the /dev/shm segments listed there) if this process is killed.
-        orphans.reap(reaper.TEMP_PREFIX)
-        self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
-        before, names_before = reaper.snapshot(), reaper.temp_names()
-        with _env(VLLM_RPC_BASE_PATH=str(self._temp)):
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        self._reaper = reaper.start(before)
-        orphans.own(self._temp, reaper.new_temp_files(before, names_before))
-        log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
+        self._start(kwargs, on_gpu)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
         self.sleeps = enable_sleep_mode and on_gpu
@@ -123,6 +110,22 @@ class VLLMEngine:
         self._interrupts = 0  # pauses that cut requests short so far
         self.busy = BusyMeter()
         self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
+
+    def _start(self, kwargs: dict[str, Any], on_gpu: bool) -> None:
+        """vLLM's IPC sockets go into a directory of this engine's, so that a later run can
+        remove them (and the /dev/shm segments listed there) if this process is killed."""
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.time()
+        orphans.reap(reaper.TEMP_PREFIX)
+        self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
+        before, names_before = reaper.snapshot(), reaper.temp_names()
+        with _env(VLLM_RPC_BASE_PATH=str(self._temp)):
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        self._reaper = reaper.start(before)
+        orphans.own(self._temp, reaper.new_temp_files(before, names_before))
+        log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
