@@ -38,6 +38,16 @@ def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
+@pytest.fixture(scope="session")
+def arch_paths(tmp_path_factory) -> dict[str, str]:
+    """The real architectures of test_architectures.py (BUILDS), built once per session."""
+    from rlexp.models.arch import build_arch_model
+    from tests.test_architectures import BUILDS
+
+    cache = str(tmp_path_factory.mktemp("arch-models"))
+    return {name: build_arch_model(cache_dir=cache, seed=0, **kw) for name, kw in BUILDS.items()}
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_tracking_uri():
     """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: keep one test's store out of the

@@ -1,6 +1,6 @@
 """Tool specs for templates that ignore `tools`: the system-prompt path (scripted engine, real
 tokenizer and real chat templates). The same through real vLLM on real architectures is in
-tests/test_architectures.py."""
+tests/test_architectures_vllm.py."""
 
 import asyncio
 import copy
