@@ -1,0 +1,172 @@
+"""The HTTP server on real vLLM, driven by the real `openai` package and by random requests
+(hypothesis): never a 5xx, never a corrupted session."""
+
+import asyncio
+import json
+import threading
+from collections import Counter
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlexp.chat.client import SessionStore
+from rlexp.chat.server import ChatServer
+from rlexp.sample import Sample
+from tests.test_server import _check_stitching, three_turns_with_a_tool_call
+
+
+class RecordingEngine:
+    """Wraps a real engine; records exactly the tokens it was given and generated."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.sampling, self.max_model_len = engine.sampling, engine.max_model_len
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, token_ids, sampling):
+        gen = await self.engine.generate(token_ids, sampling)
+        self.calls.append((list(token_ids), list(gen.token_ids)))
+        return gen
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model_path, tokenizer):
+    """One real vLLM engine behind the HTTP server for the module, on an event loop in a
+    background thread, so that tests can call it with blocking clients."""
+    from rlexp.rollout.vllm_engine import VLLMEngine
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coro, timeout=300):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    async def start():
+        engine = VLLMEngine(tiny_model_path, seed=0, max_model_len=512, kv_cache_gb=0.25, max_num_seqs=8)
+        store = SessionStore(RecordingEngine(engine), tokenizer, max_context=512)
+        server = ChatServer(store, max_body_bytes=1 << 20)
+        await server.start()
+        return engine, store, server
+
+    engine, store, server = run(start())
+    yield SimpleNamespace(run=run, store=store, recorder=store.engine, server=server)
+    run(server.stop())
+    engine.shutdown()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+
+
+@pytest.mark.vllm
+def test_openai_package_over_http_with_real_vllm(vllm_server, tokenizer):
+    recorder = vllm_server.recorder
+    recorder.calls.clear()
+    chat = three_turns_with_a_tool_call(vllm_server.store, vllm_server.server.base_url)
+    session, replies = vllm_server.run(chat)
+    assert len(recorder.calls) == 3
+    first = replies[0].choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.tool_calls[0].function.name == "calculator"
+    sample = _check_stitching(session, recorder.calls, tokenizer)
+    # the logprobs in the sample are the ones vLLM returned, token for token
+    for r, (prompt, gen) in zip(replies, recorder.calls):
+        got = [sample.logprobs[len(prompt) + i] for i in range(len(gen))]
+        assert got == [c.logprob for c in r.choices[0].logprobs.content]
+        assert all(lp <= 0.0 for lp in got)
+
+
+# ---- random requests against the real server (property-based) ----------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=10)
+FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
+          "stop", "stream", "tools", "tool_choice", "session_id", "prompt", "add_generation_prompt"]
+MESSAGE = st.fixed_dictionaries({}, optional={
+    "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | st.text(max_size=8)
+    | JSON,
+    "content": st.text(max_size=30) | JSON, "tool_calls": JSON, "name": st.text(max_size=8)})
+NUMBERS = [0, 1, -1, 2, 16, 17, 490, 491, 10**9, 2**63 - 1, 2**63, 2**64, 0.5, 1e-9, 2.0, 2.5, True]
+VALID_CHAT = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 4}
+VALID_COMPLETION = {"model": "policy", "prompt": "12+34=", "max_tokens": 4}
+
+
+@st.composite
+def requests(draw):
+    """(path, JSON body or raw bytes): whole random bodies, and valid requests with one field
+    replaced by a random value or random messages."""
+    path = draw(st.sampled_from(["/chat/completions"] * 4 + ["/completions", "/../tokenize"]))
+    kind = draw(st.sampled_from(["random", "field", "number", "number", "messages", "bytes"]))
+    base = dict(VALID_COMPLETION if path == "/completions" else VALID_CHAT)
+    if kind == "random":
+        return path, draw(JSON)
+    if kind == "bytes":
+        return path, draw(st.binary(max_size=64))
+    if kind == "messages":
+        return path, base | {"messages": draw(st.lists(MESSAGE, max_size=3))}
+    if kind == "number":  # a sampling field at or around its bounds
+        field = draw(st.sampled_from(["max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+                                      "seed"]))
+        value = draw(st.sampled_from(NUMBERS) | st.integers(-(10**20), 10**20) | st.floats())
+        return path, base | {field: value}
+    return path, base | {draw(st.sampled_from(FIELDS) | st.text(max_size=8)): draw(JSON)}
+
+
+def _snapshot(store):
+    return {sid: (s.calls, s.prefix_breaks, [(b.text, b.open, list(b.trace.tokens)) for b in s.branches])
+            for sid, s in store.sessions.items()}
+
+
+@pytest.mark.vllm
+def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, tokenizer):
+    store, base_url = vllm_server.store, vllm_server.server.base_url
+    statuses: Counter[int] = Counter()
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        sid = http.post("/sessions").json()["session_id"]
+
+        @settings(max_examples=1000, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(requests())
+        def one(request):
+            path, body = request
+            if isinstance(body, dict) and "session_id" not in body:
+                body = body | {"session_id": sid}
+            before = _snapshot(store)
+            # json.dumps, unlike httpx, also writes NaN and Infinity, which Python's parser reads
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            statuses[r.status_code] += 1
+            assert r.status_code < 500, r.text
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                assert error["message"] and error["type"] == "invalid_request_error", r.text
+                assert _snapshot(store) == before, "a rejected request changed a session"
+            elif path == "/chat/completions":
+                for choice in r.json()["choices"]:
+                    tokens = choice["token_ids"]
+                    assert len(choice["logprobs"]["content"]) == len(tokens) <= (body["max_tokens"] or 512)
+                    assert all(t["logprob"] <= 0 for t in choice["logprobs"]["content"])
+
+        one()
+        print(f"random requests: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+        assert statuses[200] >= 20 and statuses[400] >= 100  # both valid and invalid bodies were tried
+        assert http.get(base_url.removesuffix("/v1") + "/health").json()["status"] == "ok"
+
+        # The fuzzed session still stitches: a two-turn chat extends its own first turn.
+        messages = [{"role": "user", "content": "1+2="}]
+        first = http.post("/chat/completions",
+                          json={"messages": messages, "session_id": sid, "seed": 0}).json()
+        breaks = store.get(sid).prefix_breaks
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
+        http.post("/chat/completions", json={"messages": messages, "session_id": sid, "seed": 1})
+        assert store.get(sid).prefix_breaks == breaks
+        last_prompt, last_gen = vllm_server.recorder.calls[-1]
+        samples = store.close(sid).to_samples(Sample(group_id=0, prompt=[], answer="3"))
+        assert last_prompt + last_gen in [s.tokens for s in samples]
+    # ...and a new conversation through the openai package is still served exactly
+    test_openai_package_over_http_with_real_vllm(vllm_server, tokenizer)
