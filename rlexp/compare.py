@@ -28,7 +28,11 @@ from rlexp.tracking.sweep import SWEEP_TAG, read_sweep
 COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollout_tok_s",
            "train_tok_s", "staleness_mean", "staleness_max"]
 SETTING_COLUMNS = ["setting", "seeds", "eval_final", "eval_auc", "auc_vs_first", "wall_min",
-                   "staleness_mean", "mismatch_kl", "ratio_mean", "clip_frac", "expired"]
+                   "staleness_mean", "mismatch_kl", "ratio_mean", "clip_frac", "expired",
+                   "reward_last10", "entropy_last10", "length_last10"]
+# per setting, the seeds' mean by step: how the training batch moved, beside held-out accuracy
+TRAINING_CURVES = {"rollout/reward_mean": "reward (training samples)", "train/entropy": "entropy",
+                   "rollout/response_length_mean": "response length (tokens)"}
 EXPIRED = "samples/expired"
 
 
@@ -167,8 +171,9 @@ def summarize_setting(client, name: str, runs, first: dict[str, float]) -> dict:
     paired = [eval_auc(client, r) - first[r.data.params["seed"]] for r in runs
               if r.data.params.get("seed") in first]
 
-    def mean_metric(key):
-        return lambda rid: statistics.fmean([m.value for m in history(client, rid, key)] or [float("nan")])
+    def mean_metric(key, last: int | None = None):
+        return lambda rid: statistics.fmean([m.value for m in history(client, rid, key)][-(last or 0):]
+                                            or [float("nan")])
 
     return {
         "setting": name, "seeds": len(runs),
@@ -181,18 +186,23 @@ def summarize_setting(client, name: str, runs, first: dict[str, float]) -> dict:
         "ratio_mean": spread(per_seed(lambda rid: token_weighted(client, rid, "ratio_mean"))),
         "clip_frac": spread(per_seed(mean_metric("train/clip_frac"))),
         "expired": int(sum(per_seed(lambda rid: sum(m.value for m in history(client, rid, EXPIRED))))),
+        "reward_last10": spread(per_seed(mean_metric("rollout/reward_mean", 10))),
+        "entropy_last10": spread(per_seed(mean_metric("train/entropy", 10))),
+        "length_last10": spread(per_seed(mean_metric("rollout/response_length_mean", 10))),
     }
 
 
 def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
-    """Eval accuracy (seeds' mean, min-max band) by step and by wall-clock; the staleness
-    histogram of trained samples; the trainer/rollout mismatch per staleness value."""
+    """Eval accuracy (seeds' mean, min-max band) by step and by wall-clock; the training curves
+    (reward, entropy, length); the staleness histogram of trained samples; the trainer/rollout
+    mismatch per staleness value."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return [_plot_eval(plt, client, groups, out / "compare_settings_eval_accuracy.png"),
+            _plot_training(plt, client, groups, out / "compare_settings_training.png"),
             _plot_staleness(plt, client, groups, out / "compare_settings_staleness.png")]
 
 
@@ -218,6 +228,26 @@ def _plot_eval(plt, client, groups: dict[str, list], path: Path) -> Path:
         ax.set_ylabel("eval/accuracy (mean over seeds, band = min..max)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _plot_training(plt, client, groups: dict[str, list], path: Path) -> Path:
+    fig, axes = plt.subplots(1, len(TRAINING_CURVES), figsize=(15, 4))
+    for ax, (key, label) in zip(axes, TRAINING_CURVES.items()):
+        for name, runs in groups.items():
+            by_step: dict[int, list[float]] = defaultdict(list)
+            for r in runs:
+                for m in history(client, r.info.run_id, key):
+                    by_step[m.step].append(m.value)
+            steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))
+            ax.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=name, lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{label}, mean over seeds")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -25,6 +25,8 @@ def sweep(tmp_path):
         client.log_param(run, "seed", str(seed))
         for i, acc in enumerate(curve):
             client.log_metric(run, "eval/accuracy", acc, step=10 * i, timestamp=1000 * (i + 1))
+        for step in range(1, 13):  # reward = step / 10 + seed: the last 10 steps (3..12) mean 0.75 + seed
+            client.log_metric(run, "rollout/reward_mean", step / 10 + seed, step=step)
         for step in (1, 2):
             client.log_metric(run, "rollout/staleness_mean", float(k), step=step)
             client.log_metric(run, f"rollout/staleness_hist/{k}", 8.0, step=step)
@@ -51,5 +53,8 @@ def test_jobs_that_differ_only_by_seed_are_one_setting(sweep):
     assert vs_first == "-0.117 ± 0.024"                    # paired by seed: -0.1, -0.133
     assert rows["staleness_threshold=0"][3] == "0.000 ± 0.000"
     assert rows["staleness_threshold=4"][6] == "0.060 ± 0.000"  # token-weighted: (0.04 + 0.08) / 2
-    for png in ("compare_settings_eval_accuracy.png", "compare_settings_staleness.png"):
+    assert rows["staleness_threshold=4"][10] == "1.250 ± 0.707"  # reward_last10: seeds 0.75, 1.75
+    assert rows["staleness_threshold=4"][11] == "-"              # entropy_last10: not logged
+    for png in ("compare_settings_eval_accuracy.png", "compare_settings_training.png",
+                "compare_settings_staleness.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -83,7 +83,8 @@ def test_two_ranks_update_like_one_process(runs, minibatches):
 
 
 @pytest.mark.parametrize("aggregation, kl_where", [("seq_mean_token_sum", "loss"),
-                                                    ("seq_mean_token_mean", "reward")])
+                                                    ("seq_mean_token_mean", "reward"),
+                                                    ("seq_mean_token_sum_norm", "loss")])
 def test_sequence_aggregations_are_exact_over_ranks_and_micro_batches(tiny_model_path, tmp_path, aggregation,
                                                                       kl_where):
     """1 process with the whole minibatch in one micro-batch vs 2 ranks with 40-token
