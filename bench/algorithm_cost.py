@@ -44,6 +44,7 @@ EXTRA_FORWARD = {  # name: (overrides, the forward it adds)
     "kl_k3_loss": (["trainer.kl.coef=0.01"], "reference, every step"),
     "kl_low_var_reward": (["kl=low_var_kl", "trainer.kl.coef=0.01", "trainer.kl.where=reward"],
                           "reference, every step"),
+    "ppo": (["recipe=ppo"], "critic: values, then its forward/backward per minibatch"),
 }
 
 
