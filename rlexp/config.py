@@ -25,7 +25,7 @@ OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), r
 
 
 # The config groups that compose the algorithm, each placed under trainer.<group>
-ALGORITHM_GROUPS = ("advantage", "policy_loss", "mismatch", "kl", "aggregation")
+ALGORITHM_GROUPS = ("advantage", "policy_loss", "mismatch", "kl", "aggregation", "critic")
 
 def _job_dirname(sweep_dir: str, num: int, overrides) -> str:
     """A sweep job's directory: `<num>_<the values of the swept keys>`, e.g. `2_staleness_threshold=2`."""
@@ -99,6 +99,10 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     if cfg.data.samples_per_prompt < least:
         raise ConfigError(f"data.samples_per_prompt must be >= {least} for {target} (its advantages "
                           f"compare samples of one prompt), got {cfg.data.samples_per_prompt}")
+    if getattr(estimator, "needs_values", False) != (OmegaConf.select(cfg, "trainer.critic") is not None):
+        raise ConfigError(f"trainer.advantage {target} and trainer.critic do not go together: "
+                          "advantage=gae needs critic=value, and a critic is only used by advantage=gae "
+                          "(recipe=ppo sets both)")
     if OmegaConf.select(cfg, "agent.entrypoint") is not None:
         from rlexp.agents.openai_agent import load_entrypoint
 

@@ -17,10 +17,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlexp.algorithms.advantages import GroupNormalized
 from rlexp.algorithms.aggregation import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
+from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm
 from rlexp.sample import Sample, Status, TokenTrace
+from rlexp.trainer import distributed
 from rlexp.trainer.controller import TrainController
+from rlexp.trainer.critic import Critic
 
 AGGREGATIONS = {"token_mean": TokenMean(), "seq_mean_token_sum": SeqMeanTokenSum(),
                 "seq_mean_token_mean": SeqMeanTokenMean(), "seq_mean_token_sum_norm": SeqMeanTokenSumNorm(16)}
@@ -55,6 +59,7 @@ def main() -> None:
     p.add_argument("--aggregation", default="token_mean", choices=list(AGGREGATIONS))
     p.add_argument("--micro-batch-tokens", type=int, default=40)
     p.add_argument("--kl-where", default="loss", choices=["loss", "reward"])
+    p.add_argument("--critic", action="store_true", help="PPO: GAE with a critic")
     a = p.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
@@ -70,7 +75,9 @@ def main() -> None:
                                   micro_batch_tokens=a.micro_batch_tokens,
                                   kl=KLTerm(coef=0.05, where=a.kl_where),
                                   aggregation=AGGREGATIONS[a.aggregation], old_logprobs="recompute",
-                                  lora={"rank": a.lora_rank})
+                                  lora={"rank": a.lora_rank},
+                                  advantage=GAE(lam=0.95) if a.critic else GroupNormalized(),
+                                  critic=partial(Critic, optimizer=optimizer) if a.critic else None)
         if a.load:
             trainer.load(Path(a.load) / f"mb{mb}")
         metrics = [trainer.fit(make_batch(a.first_seed + i), a.first_seed + i) for i in range(a.fits)]
@@ -78,6 +85,9 @@ def main() -> None:
             (Path(a.save) / f"mb{mb}").mkdir(parents=True, exist_ok=True)
             trainer.save(Path(a.save) / f"mb{mb}")
         weights = {name: t.detach().cpu().clone() for name, t in trainer.weights()}  # every rank gathers
+        if trainer.critic:  # gathered on every rank too
+            weights |= {f"critic.{n}": distributed.full_tensor(t).detach().cpu().clone()
+                        for n, t in trainer.critic.model.state_dict().items()}
         results[mb] = {"metrics": metrics, "weights": weights}
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, a.out)

@@ -19,7 +19,8 @@ from rlexp.loop import build_guarded
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 REQUIRED_OVERRIDES = {("model", "local"): ["model.path=/tmp/x"],
-                      ("data", "jsonl"): ["data.source.train_path=/tmp/x.jsonl"]}
+                      ("data", "jsonl"): ["data.source.train_path=/tmp/x.jsonl"],
+                      ("advantage", "gae"): ["critic=value"], ("critic", "value"): ["advantage=gae"]}
 
 
 def _compose(overrides):
@@ -43,7 +44,9 @@ def test_every_option_composes_and_validates(group, option):
     cfg = _compose([f"{group}={option}"] + REQUIRED_OVERRIDES.get((group, option), []))
     OmegaConf.resolve(cfg)
     validate(cfg)
-    if group in ALGORITHM_GROUPS:  # placed under the trainer
+    if group == "critic":
+        assert (cfg.trainer.critic is None) == (option == "none")
+    elif group in ALGORITHM_GROUPS:  # placed under the trainer
         assert cfg.trainer[group]._target_.startswith("rlexp.algorithms.")
     elif group not in ("experiment", "recipe"):
         assert cfg[group]._target_
@@ -80,6 +83,9 @@ BAD_OVERRIDES = [
     ("trainer.kl.where=advantage", "trainer.kl.where must be one of loss, reward"),
     ("trainer.policy_loss.dual_clip=0.5", "trainer.policy_loss.dual_clip must be > 1"),
     ("mismatch=icepop trainer.mismatch.high=0.9", "trainer.mismatch.high must be > 1"),
+    ("advantage=gae", "advantage=gae needs critic=value"),
+    ("critic=value", "a critic is only used by advantage=gae"),
+    ("recipe=ppo trainer.critic.value_clip=-1", "trainer.critic.value_clip must be > 0"),
     ("advantage=rloo data.samples_per_prompt=1", "data.samples_per_prompt must be >= 2 for rlexp.algorithms"),
     ("agent._target_=rlexp.agents.nope.Agent", "agent._target_: cannot import 'rlexp.agents.nope.Agent'"),
     ("judge._target_=rlexp.judges.math_exact.Nope", "judge._target_: cannot import"),

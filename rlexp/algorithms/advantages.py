@@ -23,6 +23,7 @@ class AdvantageInputs:
     completed: torch.Tensor  # [N] bool
     mask: torch.Tensor  # [N, T] 1.0 at trained tokens (a row of zeros: nothing trained)
     token_rewards: torch.Tensor | None = None  # [N, T] e.g. -beta * KL per token, or None
+    values: torch.Tensor | None = None  # [N, T] a critic's values (advantage=gae), or None
 
     def scores(self) -> torch.Tensor:
         """[N] each sample's return: its reward plus its per-token rewards."""

@@ -16,37 +16,30 @@ fewer pads with a masked-out one. Metrics are summed (maxima: maxed) over ranks.
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs, GroupNormalized
 from rlexp.algorithms.aggregation import Aggregation, TokenMean, Totals
+from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm, kl_estimate
 from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
 from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip, TokenInputs
 from rlexp.constraints import AtLeast0, AtLeast1, Dtype, Positive
-from rlexp.models.local import resolve_dtype
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
+from rlexp.trainer.critic import Critic, critic_report
 from rlexp.trainer.fit_metrics import add, add_maxima, add_terms, offpolicy_report, offpolicy_sums
-from rlexp.trainer.lora import (
-    ADAPTER_FILE,
-    adapters_off,
-    add_adapters,
-    check_spec,
-    is_adapter,
-    merged_weights,
-)
+from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
+from rlexp.trainer.policy import build_policy
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
@@ -81,8 +74,10 @@ class TrainController:
         gradient_checkpointing: bool = False,
         mixed_precision: Literal["none", "bfloat16"] = "none",
         lora: dict | None = None,
+        critic: Callable[..., Critic] | None = None,
     ):
-        """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip)."""
+        """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip).
+        critic: builds the value model (trainer.critic, conf/critic/), for advantage=gae."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
@@ -95,8 +90,16 @@ class TrainController:
         self.device = distributed.device()
         self.ref_kl_every_n_steps = ref_kl_every_n_steps
         self.has_ref = self.objective.kl.coef > 0 or ref_kl_every_n_steps > 0
-        self.lora_scaling = self._build_model(model_path, dtype, gradient_checkpointing, mixed_precision,
-                                              lora)
+        needs_values = getattr(self.objective.advantage, "needs_values", False)
+        if needs_values != (critic is not None):
+            raise ValueError("advantage=gae needs a critic (critic=value) and a critic needs advantage=gae: "
+                             f"got trainer.advantage {type(self.objective.advantage).__name__} with "
+                             f"{'a' if critic else 'no'} critic")
+        self.model, self.ref, self.lora_scaling = build_policy(
+            model_path, dtype, gradient_checkpointing, mixed_precision, lora, self.device, self.has_ref)
+        self.critic = critic(policy_path=model_path, total_steps=total_steps, dtype=dtype,
+                             gradient_checkpointing=gradient_checkpointing,
+                             mixed_precision=mixed_precision) if critic else None
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer(trained)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -106,34 +109,6 @@ class TrainController:
         self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
         # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
         self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
-
-    def _build_model(self, model_path, dtype, gradient_checkpointing, mixed_precision, lora) -> float | None:
-        """The policy (with LoRA adapters when lora.rank > 0), its frozen reference when one is
-        needed, both sharded when distributed. Returns LoRA's scaling (None: full fine-tuning)."""
-        torch_dtype = getattr(torch, resolve_dtype(dtype))
-        model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-        if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-        spec |= dict(lora or {})
-        check_spec(spec["rank"], spec["alpha"], spec["target_modules"])
-        scaling = spec["alpha"] / spec["rank"] if spec["rank"] else None
-        if scaling:  # the reference policy is then the model with its adapters off
-            model = add_adapters(model, spec["rank"], spec["alpha"], spec["target_modules"])
-        model.to(self.device).train()
-        self.model = model
-        self.ref = None
-        if self.has_ref and not scaling:
-            self.ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-        if distributed.sharded():
-            for m in (self.model, self.ref):
-                if m is not None:
-                    distributed.shard(m, None if mixed_precision == "none" else mixed_precision)
-        n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info("trainer: rank %d of %d, %s, %d of %d parameters trained%s", self.rank, self.world,
-                 self.device, n_trained, sum(p.numel() for p in model.parameters()),
-                 f" (LoRA rank {spec['rank']})" if scaling else "")
-        return scaling
 
     # ---- low-level API -------------------------------------------------------------
     @torch.no_grad()
@@ -149,11 +124,12 @@ class TrainController:
         with self._reference() as ref:
             return self._per_sample(ref, batch)
 
-    def compute_advantages(self, batch: list[Sample],
-                           token_rewards: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_advantages(self, batch: list[Sample], token_rewards: torch.Tensor | None = None,
+                           values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[N, T] per-token advantages of the whole batch (T: the longest sample's tokens - 1,
         aligned like TokenBatch); a failed sample gets 0 and shifts no baseline or statistic.
-        `token_rewards` [N, T]: per-token rewards (the KL penalty in the reward)."""
+        `token_rewards` [N, T]: per-token rewards (the KL penalty in the reward); `values`
+        [N, T]: the critic's. Returns (advantages, the critic's targets or None)."""
         width = max((len(s.tokens) for s in batch), default=1)
         mask = torch.zeros(len(batch), max(width - 1, 0))
         for i, s in enumerate(batch):
@@ -162,8 +138,10 @@ class TrainController:
         x = AdvantageInputs(rewards=torch.tensor([s.reward for s in batch], dtype=torch.float32),
                             groups=[s.group_id for s in batch],
                             completed=torch.tensor([s.status == Status.COMPLETED for s in batch]),
-                            mask=mask, token_rewards=token_rewards)
-        return self.objective.advantages(x)
+                            mask=mask, token_rewards=token_rewards, values=values)
+        if isinstance(self.objective.advantage, GAE):
+            return self.objective.advantage.advantages_and_returns(x)
+        return self.objective.advantages(x), None
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
         """Every rank calls it with the whole batch."""
@@ -175,6 +153,8 @@ class TrainController:
             tb = TokenBatch.build([batch[i] for i in trained], version)
             metrics = self._update(batch, trained, tb, version)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.critic:
+            metrics["critic/lr"] = self.critic.step_lr()
         metrics[f"memory/rank_{self.rank}/peak_mb"] = distributed.peak_memory_mb(self.device)
         # One schedule step per fit (per RL step), on purpose also when a no-signal step skipped
         # the update: PyTorch's warning about that order does not apply.
@@ -211,6 +191,8 @@ class TrainController:
         if self.rank == 0:
             torch.save({"optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
                        directory / "trainer.pt")
+        if self.critic:
+            self.critic.save(directory, self.rank)
 
     def load(self, directory: Path) -> None:
         """A checkpoint saved by any number of workers (every rank reads the files)."""
@@ -221,6 +203,8 @@ class TrainController:
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.critic:
+            self.critic.load(directory)
 
     # ---- internals -----------------------------------------------------------------
     @property
@@ -295,20 +279,25 @@ class TrainController:
         with self._reference() as ref_model:
             return self._logprobs(ref_model, tb, pieces)
 
-    def _advantages(self, batch, trained, tb: TokenBatch, old, ref) -> torch.Tensor:
-        """[rows of tb, T] on the device. With the KL in the reward, its per-token penalty
-        (old vs reference logprobs, every rank's rows gathered) enters the advantages."""
-        token_rewards = None
+    def _advantages(self, batch, trained, tb: TokenBatch, old, ref, values):
+        """Advantages and the critic's targets (or None), [rows of tb, T] on the device. With
+        the KL in the reward, its per-token penalty (old vs reference logprobs, every rank's
+        rows gathered) enters the advantages; so do the critic's values (gathered)."""
+        token_rewards = values_all = None
+        width = max(len(s.tokens) for s in batch) - 1
+        if values is not None:
+            values_all = torch.zeros(len(batch), width)
+            values_all[trained, :values.shape[1]] = values.cpu()
         if self.objective.kl.in_reward:
             assert ref is not None, "the KL is in the reward: the reference runs every step"
             old_all = distributed.all_reduce_(old.clone(), "sum") if self.recompute else old
             ref_all = distributed.all_reduce_(ref.clone(), "sum")
             penalty = self.objective.kl.token_rewards(old_all, ref_all, tb.loss_mask.to(old.device)).cpu()
-            width = max(len(s.tokens) for s in batch) - 1
             token_rewards = torch.zeros(len(batch), width)
             token_rewards[trained, :penalty.shape[1]] = penalty
-        adv = self.compute_advantages(batch, token_rewards)
-        return adv[trained, :tb.loss_mask.shape[1]].to(self.device)
+        adv, returns = self.compute_advantages(batch, token_rewards, values_all)
+        rows = (trained, slice(0, tb.loss_mask.shape[1]))
+        return adv[rows].to(self.device), (returns[rows].to(self.device) if returns is not None else None)
 
     def _update(self, batch: list[Sample], trained: list[int], tb: TokenBatch,
                 version: int) -> dict[str, float]:
@@ -326,7 +315,11 @@ class TrainController:
         behav = tb.behav_logprobs.to(self.device)
         old = self._logprobs(self.model, tb, my_pieces) if self.recompute else behav
         ref = self._ref_logprobs(tb, my_pieces)
-        adv = self._advantages(batch, trained, tb, old, ref)
+        values = None
+        if self.critic:  # every rank's rows gathered: GAE runs over the whole batch
+            values = distributed.all_reduce_(self.critic.values(tb, my_pieces), "sum")
+        adv, returns = self._advantages(batch, trained, tb, old, ref, values)
+        frozen = self.critic is not None and self.fits_done < self.critic.critic_only_steps
         # No advantage and no KL or entropy term: the gradient is zero. An optimizer step would
         # still move the weights on Adam's momentum, so skip it (the forwards still run and log).
         no_signal = (not (adv * tb.loss_mask.to(self.device)).abs().sum() and not self.objective.kl.in_loss
@@ -342,16 +335,21 @@ class TrainController:
             totals = Totals(tokens=float(mask_rows.sum()), seqs=float((mask_rows.sum(-1) > 0).sum()))
             part = self._minibatch(tb, mine, totals, (old, behav, ref, adv), levels, maxes, first=m == 0)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            if not no_signal:
+            if not no_signal and not frozen:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             grad_norm_sum = grad_norm_sum + distributed.full_tensor(grad_norm)  # the same on every rank
+            if self.critic and values is not None and returns is not None:
+                part |= {f"critic/{k}": v for k, v in self.critic.train_minibatch(
+                    tb, mine, totals, values, returns, self.objective.aggregation).items()}
             for k, v in part.items():
                 add(sums, k, v)
         out = self._reduce(sums, maxes, grad_norm_sum, n_mb)
         out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
         out["train/pad_frac"] = tb.pad_frac(forwarded)
-        out["train/skipped_step"] = float(no_signal)
+        out["train/skipped_step"] = float(no_signal or frozen)
+        if self.critic and values is not None and returns is not None:
+            out |= critic_report(values, returns, tb.loss_mask.to(self.device))
         mask = tb.loss_mask.to(self.device)
         per_sample = (adv.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         out["train/advantage_abs_mean"] = per_sample.sum().item() / len(batch)
@@ -382,7 +380,8 @@ class TrainController:
 
     def _reduce(self, sums, maxes, grad_norm_sum, n_mb) -> dict[str, float]:
         """Means over minibatches, summed (maxima: maxed) over ranks, read in one transfer."""
-        means = {f"train/{k}": v / (1 if k.startswith("offpolicy") or k == "mismatch_kl" else n_mb)
+        once = ("offpolicy", "mismatch_kl")  # measured in the first minibatch only
+        means = {(k if k.startswith("critic/") else f"train/{k}"): v / (1 if k.startswith(once) else n_mb)
                  for k, v in sums.items()}
         summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")
         maxed = distributed.all_reduce_(torch.stack(list(maxes.values())), "max")
