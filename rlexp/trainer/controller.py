@@ -42,7 +42,7 @@ from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_we
 from rlexp.trainer.policy import build_policy
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
-from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
+from rlexp.weights.files import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -173,24 +173,13 @@ class TrainController:
         """`model.safetensors` (the policy, merged with LoRA), `adapter.safetensors` (LoRA's
         trained tensors) and `trainer.pt` (optimizer by parameter name, lr schedule); all
         whole, written by rank 0, so any number of workers can load them. Every rank calls it."""
-        weights = self.weights()
-        if self.rank == 0:
-            save_safetensors(weights, directory)
-        else:
-            for _ in weights:  # the gathers are collectives
-                pass
+        distributed.save_whole(self.weights(), directory, WEIGHTS_FILE, self.rank)
         if self.lora_scaling:
             adapter = ((n, distributed.full_tensor(t)) for n, t in self.model.state_dict().items()
                        if is_adapter(n))
-            if self.rank == 0:
-                save_safetensors(adapter, directory, ADAPTER_FILE)
-            else:
-                for _ in adapter:
-                    pass
-        optimizer = distributed.optimizer_state(self.model, self.optimizer)
-        if self.rank == 0:
-            torch.save({"optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
-                       directory / "trainer.pt")
+            distributed.save_whole(adapter, directory, ADAPTER_FILE, self.rank)
+        distributed.save_optimizer(self.model, self.optimizer, self.lr_scheduler, directory / "trainer.pt",
+                                   self.rank)
         if self.critic:
             self.critic.save(directory, self.rank)
 

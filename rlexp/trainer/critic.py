@@ -20,7 +20,6 @@ from rlexp.trainer import distributed
 from rlexp.trainer.fit_metrics import add, add_terms
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
-from rlexp.weights.files import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +105,9 @@ class Critic:
         """The value model whole and its optimizer by parameter name (rank 0 writes; every
         rank calls it: the gathers are collectives)."""
         weights = ((n, distributed.full_tensor(t)) for n, t in self.model.state_dict().items())
-        if rank == 0:
-            save_safetensors(weights, directory, CRITIC_FILE)
-        else:
-            for _ in weights:
-                pass
-        optimizer = distributed.optimizer_state(self.model, self.optimizer)
-        if rank == 0:
-            torch.save({"optimizer": optimizer, "lr_scheduler": self.lr_scheduler.state_dict()},
-                       directory / CRITIC_STATE)
+        distributed.save_whole(weights, directory, CRITIC_FILE, rank)
+        distributed.save_optimizer(self.model, self.optimizer, self.lr_scheduler, directory / CRITIC_STATE,
+                                   rank)
 
     def load(self, directory: Path) -> None:
         distributed.load_model_state(self.model, load_file(str(directory / CRITIC_FILE)))

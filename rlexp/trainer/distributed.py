@@ -9,10 +9,14 @@ token-balanced share of the rows."""
 from __future__ import annotations
 
 import resource
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rlexp.weights.files import save_safetensors
 
 
 def rank_world() -> tuple[int, int]:
@@ -109,3 +113,22 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], strict: bool
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+def save_whole(named, directory: Path, filename: str, rank: int) -> None:
+    """Named tensors, each gathered whole as it is reached (a collective: every rank drains
+    the iterator), written by rank 0 as one safetensors file."""
+    if rank == 0:
+        save_safetensors(named, directory, filename)
+    else:
+        deque(named, maxlen=0)
+
+
+def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler, path: Path,
+                   rank: int) -> None:
+    """The optimizer by parameter name (gathered: every rank calls it) and the lr schedule,
+    written by rank 0, so any number of workers can load them."""
+    state = optimizer_state(model, optimizer)
+    if rank == 0:
+        torch.save({"optimizer": state, "lr_scheduler": lr_scheduler.state_dict()}, path)
+
