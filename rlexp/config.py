@@ -8,7 +8,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt
 from hydra.utils import get_object
@@ -86,6 +86,7 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
     check_value("max_failure_fraction", _get(cfg, "max_failure_fraction"), Fraction)
+    check_value("loop", _get(cfg, "loop"), Literal["fit", "low_level"])
     check_value("trainer.optimizer.lr", _get(cfg, "trainer.optimizer.lr"), Annotated[float, Gt(0)])
     samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
     if samples % minibatches:
@@ -120,6 +121,9 @@ def _check_cluster(cfg: DictConfig) -> None:
     if replicas != 1 and not on_ray:  # an engine class builds one engine; replicas are a pool's
         raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")
     workers = OmegaConf.select(cfg, "trainer.workers") or 1
+    if workers > 1 and OmegaConf.select(cfg, "loop") == "low_level":
+        raise ConfigError(f"loop=low_level calls the trainer in this process: it needs trainer.workers=1, "
+                          f"got {workers} (loop=fit runs a trainer group)")
     if workers > 1 and not on_ray:
         raise ConfigError(f"trainer.workers={workers} runs the trainer's ranks as Ray actors: "
                           "add cluster=ray")

@@ -22,6 +22,7 @@ import gc
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
 from rlexp.progress import Progress, SweepPosition
-from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer
+from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.weights.protocols import WeightTransport
@@ -67,16 +68,45 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
     return guard(instantiate(spec, **runtime), **guard_args)
 
 
+def fit_call_by_call(trainer: LowLevelTrainer, batch: list[Sample], version: int) -> dict[str, float]:
+    """`trainer.fit(batch, version)` spelled out with the TrainController's low-level API
+    (`loop=low_level`): the same calls in the same order, so the same update; each call's
+    seconds are logged (`timing/fit/<call>_s`). A loop of your own can read or replace what a
+    call left in `fb` before the next one (rlexp/trainer/fit_batch.py)."""
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def lap(call: str) -> None:
+        nonlocal t0
+        seconds[f"timing/fit/{call}_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+
+    fb = trainer.prepare(batch, version)
+    lap("prepare")
+    trainer.compute_old_logprobs(fb)  # the rollout's, or a forward of the policy before the update
+    lap("old_logprobs")
+    trainer.compute_ref_logprobs(fb)  # the reference policy, when the objective or train/kl needs it
+    lap("ref_logprobs")
+    trainer.compute_values(fb)  # the critic, with advantage=gae
+    lap("values")
+    trainer.compute_advantages(fb)
+    lap("advantages")
+    metrics = trainer.train(fb)  # forward/backward, optimizer steps, the lr schedule's step
+    lap("train")
+    return metrics | seconds
+
+
 async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine: RolloutEngine,
-                  trainer: Trainer, transport: WeightTransport,
-                  version: int) -> tuple[list[Sample], dict[str, float]]:
+                  trainer: Trainer, transport: WeightTransport, version: int,
+                  fit: Callable[[list[Sample], int], dict[str, float]] | None = None
+                  ) -> tuple[list[Sample], dict[str, float]]:
     """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
-    Under the async scheduler, rollout goes on in the background during fit."""
+    Under the async scheduler, rollout goes on in the background during fit. `fit`: the
+    update (default `trainer.fit`; loop=low_level: `fit_call_by_call`)."""
     t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
     batch = await scheduler.produce_batch(data, agent, version)
     t1 = time.time()
     await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
-    train_metrics = await asyncio.to_thread(trainer.fit, batch, version)
+    train_metrics = await asyncio.to_thread(fit or trainer.fit, batch, version)
     await engine.wake_up()
     t2 = time.time()
     await scheduler.sync_weights(engine, lambda: transport.transfer(trainer.weights(), engine, version + 1),
@@ -195,6 +225,15 @@ class RLLoop:
         log.info("building %-16s %s x%d on cluster=%s", "trainer", cfg.trainer._target_,
                  cfg.trainer.get("workers", 1), self.cluster.name)
         self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
+        if cfg.loop == "low_level":
+            log.info("loop=low_level: the trainer's low-level calls one by one (fit_call_by_call)")
+
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        """The step's update: the trainer's `fit`, or (loop=low_level) its low-level calls."""
+        assert self.trainer is not None
+        if self.cfg.loop == "low_level":
+            return fit_call_by_call(self.trainer, batch, version)  # type: ignore[arg-type]
+        return self.trainer.fit(batch, version)
 
     async def restore(self, resumed: RunState) -> None:
         """Trainer, engine weights, policy version, scheduler and RNGs as they were at the
@@ -222,7 +261,7 @@ class RLLoop:
         agent = GeneratedLengths(self.agent)  # every length generated, beside the ones trained
         for step in range(self.start_step + 1, total + 1):
             batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
-                                           self.transport, self.version)
+                                           self.transport, self.version, self.fit)
             metrics |= agent.pop_metrics()
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)

@@ -379,7 +379,7 @@ def test_every_composition_is_finite_far_off_policy():
             name = f"{type(est).__name__}/{kl.estimator}-{kl.where}/{type(loss_fn).__name__}/" \
                    f"{type(mismatch).__name__}/{type(agg).__name__}"
             obj = Objective(est, loss_fn, agg, kl, mismatch, entropy_coef=0.01)
-            adv = obj.advantages(x_adv)
+            adv, _ = obj.advantages(x_adv)
             logp = logp0.clone().requires_grad_()
             loss, metrics = obj.token_loss(TokenInputs(logp, old, behav, adv, mask), entropy, ref)
             total = obj.aggregate(loss, mask, totals)

@@ -97,7 +97,7 @@ def test_default_composition_matches_the_previous_formulas(correction, kl_coef, 
                    "decoupled": Decoupled(0.2, 0.2, 2.0)}[correction]
     obj = Objective(GroupNormalized("population"), policy_loss, TokenMean(), KLTerm("k3", kl_coef),
                     NoCorrection(), entropy_coef=entropy_coef)
-    adv = obj.advantages(AdvantageInputs(rewards, groups, completed, mask))
+    adv, _ = obj.advantages(AdvantageInputs(rewards, groups, completed, mask))
     assert torch.equal(adv, old_adv[:, None].expand(n, T))
     logp_b = logp0.clone().requires_grad_()
     loss_b, m = obj.token_loss(TokenInputs(logp_b, old, behav, adv, mask), ent, ref)

@@ -66,7 +66,7 @@ def _samples(prompts, gens, rewards=None) -> list[Sample]:
 
 
 def _max_diff(trainer, prompts, gens) -> float:
-    ours = trainer.compute_old_logprobs(_samples(prompts, gens))
+    ours = trainer.sample_logprobs(_samples(prompts, gens))
     return max((lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
                for p, g, lp in zip(prompts, gens, ours))
 

@@ -102,6 +102,9 @@ BAD_OVERRIDES = [
     ("+trainer.track_ref_kl=true", "trainer.track_ref_kl is not an argument of rlexp.trainer.controller"),
     ("max_failure_fraction=1.5", "max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
+    ("loop=lowlevel", "loop must be one of fit, low_level; got 'lowlevel'"),
+    ("loop=low_level cluster=ray trainer.workers=2", "loop=low_level calls the trainer in this process: it "
+     "needs trainer.workers=1, got 2"),
 ]
 
 

@@ -120,3 +120,44 @@ def test_explained_variance():
     assert explained_variance(torch.full_like(ret, 2.0), ret, mask) == pytest.approx(0.0)
     # V = R + (1, -1, 1): Var(R - V) = 4/3 (Bessel), Var(R) = 1
     assert explained_variance(ret + torch.tensor([[1.0, -1, 1, 0]]), ret, mask) == pytest.approx(1 - 4 / 3)
+
+
+def test_the_low_level_calls_make_fit(tiny_model_path):
+    """loop=low_level's step (`fit_call_by_call`) and `fit`: the same weights (policy and
+    critic) and metrics after 5 steps, with every low-level call doing work (a recomputed
+    proximal policy, the reference for the KL in the reward, the critic, two minibatches)."""
+    from rlexp.algorithms.kl import KLTerm
+    from rlexp.loop import fit_call_by_call
+
+    kw = dict(kl=KLTerm("k1", coef=0.05, where="reward"), minibatches_per_step=2)
+    by_fit, by_calls = _ppo(tiny_model_path, **kw), _ppo(tiny_model_path, **kw)
+    for step in range(5):
+        batch = _batch(seed=step)
+        m_fit = by_fit.fit(batch, step)
+        m_calls = fit_call_by_call(by_calls, batch, step)
+        assert {k for k in m_calls if k.startswith("timing/fit/")} == {
+            f"timing/fit/{c}_s" for c in ("prepare", "old_logprobs", "ref_logprobs", "values", "advantages",
+                                          "train")}
+        measured = ("timing/", "memory/")  # wall-clock, and the process's peak RSS
+        assert ({k: v for k, v in m_calls.items() if not k.startswith(measured)}
+                == {k: v for k, v in m_fit.items() if not k.startswith(measured)}), step
+    assert m_fit["train/kl"] > 0 and m_fit["critic/vf_loss"] > 0 and m_fit["train/skipped_step"] == 0
+    for a, b in ((by_fit.model, by_calls.model), (by_fit.critic.model, by_calls.critic.model)):
+        sa, sb = _state(a), _state(b)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_low_level_calls_out_of_order_name_the_missing_call(tiny_model_path):
+    t = _ppo(tiny_model_path)
+    fb = t.prepare(_batch(), 0)
+    with pytest.raises(RuntimeError, match="compute_old_logprobs"):
+        t.compute_advantages(fb)
+    t.compute_old_logprobs(fb)
+    with pytest.raises(RuntimeError, match="needs compute_values"):
+        t.compute_advantages(fb)  # a critic: GAE needs its values
+    t.compute_values(fb)
+    with pytest.raises(RuntimeError, match="needs compute_advantages"):
+        t.train(fb)
+    t.compute_advantages(fb)
+    assert fb.advantages is not None and fb.advantages.shape == fb.tokens.loss_mask.shape
+    assert t.train(fb)["critic/vf_loss"] > 0

@@ -46,7 +46,7 @@ async def _publish(trainer, engine, version, transport=None):
 
 def _max_logprob_diff(trainer, prompts, gens) -> float:
     samples = _as_samples(prompts, gens)
-    ours = trainer.compute_old_logprobs(samples)
+    ours = trainer.sample_logprobs(samples)
     diffs = [(lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
              for p, g, lp in zip(prompts, gens, ours)]
     return max(diffs)
@@ -214,9 +214,9 @@ def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_mo
     assert mixed, [(len(g.token_ids), set(g.versions)) for g in gens]
     assert all(g.versions == sorted(g.versions) for g in gens)
     samples = _as_samples([p for p, _ in mixed], [g for _, g in mixed])
-    new_lp = trainer.compute_old_logprobs(samples)
+    new_lp = trainer.sample_logprobs(samples)
     trainer.model.load_state_dict(old_state)
-    old_lp = trainer.compute_old_logprobs(samples)
+    old_lp = trainer.sample_logprobs(samples)
     apart = 0.0  # how far the old weights' logprobs are from those of the tokens tagged 1
     for (p, g), new, old in zip(mixed, new_lp, old_lp):
         v = torch.tensor(g.versions)

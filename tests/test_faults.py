@@ -128,6 +128,9 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
         s.reward, s.status = r, st
         s.trace = TokenTrace([5, 6, 7], [0, 0, 1], [0.0, 0.0, -1.0], [0, 0, 0])
-    adv, _ = trainer.compute_advantages(batch)  # [samples, tokens - 1]: the trained token is the last
-    assert adv[2, -1] == 0
-    assert adv[:2, -1].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent
+    fb = trainer.prepare(batch, 0)
+    assert fb.trained == [0, 1]  # the failed sample is no row
+    trainer.compute_old_logprobs(fb)
+    adv = trainer.compute_advantages(fb)  # [trained rows, tokens - 1]: the trained token is the last
+    assert adv is not None and adv.shape[0] == 2
+    assert adv[:, -1].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent

@@ -21,7 +21,7 @@ def _logprob_diff(trainer, prompts, gens) -> float:
         trace.append(p, role="prompt")
         trace.append(g.token_ids, role="assistant", generation=g)
         samples.append(Sample(group_id=0, prompt=[], answer="", trace=trace, status=Status.COMPLETED))
-    ours = trainer.compute_old_logprobs(samples)
+    ours = trainer.sample_logprobs(samples)
     return max((lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
                for p, g, lp in zip(prompts, gens, ours))
 

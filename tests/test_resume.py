@@ -18,11 +18,13 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from rlexp.checkpoint import checkpoints
+from rlexp.trainer.critic import CRITIC_FILE
 from tests.test_run import _history, _traces
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 # Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
+PPO = ("recipe=ppo", "trainer.critic.critic_only_steps=1")  # step 1 trains the critic alone
 TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac", "memory/")
 
 
@@ -131,8 +133,11 @@ def _steps(client, run, key):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, models):
+    """PPO with a critic (its weights, optimizer and lr schedule are checkpointed beside the
+    policy's). The uninterrupted run makes its updates with the trainer's low-level calls
+    (loop=low_level), the killed one with `fit`: equal numbers show both at once."""
     ref_store, store = tmp_path / "ref", tmp_path / "killed"
-    _finish(_cmd(ref_store, ref_store / "out", models), tmp_path / "ref.log")
+    _finish(_cmd(ref_store, ref_store / "out", models, *PPO, "loop=low_level"), tmp_path / "ref.log")
 
     rng = random.Random(6)
     run_dir, log = store / "out", tmp_path / "killed.log"
@@ -142,7 +147,7 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     # engine start-up)
     kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
     print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
-    orphans = _kill(_cmd(store, run_dir, models), log, run_dir, *kills[0])
+    orphans = _kill(_cmd(store, run_dir, models, *PPO), log, run_dir, *kills[0])
     assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
     assert [p for p in orphans if p.name.startswith("psm_")], "no vLLM shared memory was listed"
     for k, delay in kills[1:]:
@@ -156,6 +161,7 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))  # each step exactly once
     compared = [k for k in ref.data.metrics if not k.startswith(TIMING)]
     assert len(compared) > 30 and set(compared) <= set(run.data.metrics)
+    assert "critic/vf_loss" in compared and "timing/fit/values_s" in ref.data.metrics
     for key in compared:
         assert _steps(c, run, key) == _steps(c_ref, ref, key), key
         assert _history(c, run, key) == pytest.approx(_history(c_ref, ref, key), rel=1e-5, abs=1e-7), key
@@ -168,6 +174,9 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
     initial = load_file(next(models.glob("tiny-*")) / "model.safetensors")
     for name, w in final_ref.items():
         assert (final[name] - w).abs().max() <= 1e-6, name
+    critic = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / CRITIC_FILE)
+    critic_ref = load_file(ref_store / "out" / "checkpoints" / f"step_{STEPS}" / CRITIC_FILE)
+    assert max((critic[n] - w).abs().max().item() for n, w in critic_ref.items()) <= 1e-6
     assert any((final_ref[n] != initial[n]).any() for n in initial)  # trained (lm_head is tied: not saved)
     assert _trace_steps(c, run) == _trace_steps(c_ref, ref)  # sampled MLflow traces: none twice
 

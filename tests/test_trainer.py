@@ -53,7 +53,7 @@ def _batch(tokenizer, texts):
 def test_padded_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer, micro_batch_tokens):
     batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("1", 0.0)]), ("7+7=", [("14", 1.0), ("99999", 0.0)])])
     trainer = _trainer(tiny_model_path, micro_batch_tokens=micro_batch_tokens, ref_kl_every_n_steps=0)
-    packed = trainer.compute_old_logprobs(batch)
+    packed = trainer.sample_logprobs(batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     for s, lp in zip(batch, packed):
         with torch.no_grad():
@@ -65,11 +65,11 @@ def test_padded_logprobs_equal_one_sequence_at_a_time(tiny_model_path, tokenizer
 def test_grpo_step_moves_probability_toward_rewarded_answers(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("12+3=", [("15", 1.0), ("99", 0.0), ("15", 1.0), ("99", 0.0)])])
     trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=1)
-    before = trainer.compute_old_logprobs(batch)
+    before = trainer.sample_logprobs(batch)
     for s, lp in zip(batch, before):
         s.trace.logprobs = lp.tolist()  # on-policy: behaviour logprobs = current policy
     metrics = trainer.fit(batch, 0)
-    after = trainer.compute_old_logprobs(batch)
+    after = trainer.sample_logprobs(batch)
     resp = lambda s, lp: (lp * torch.tensor(s.loss_mask)).sum().item()  # noqa: E731
     assert resp(batch[0], after[0]) > resp(batch[0], before[0]) + 1e-3  # rewarded: more likely
     assert resp(batch[1], after[1]) < resp(batch[1], before[1]) - 1e-3  # unrewarded: less likely
@@ -102,7 +102,7 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("3", 0.0)])])
     batch.append(Sample(group_id=0, prompt=[], answer="", status=Status.FAILED))  # no tokens at all
     trainer = _trainer(tiny_model_path, ref_kl_every_n_steps=1)
-    lps = trainer.compute_ref_logprobs(batch)
+    lps = trainer.sample_logprobs(batch, reference=True)
     assert len(lps) == 3 and lps[2].numel() == 0 and lps[0].numel() == len(batch[0].tokens)
     trained = trainer.fit(batch, 0)["train/response_tokens"]
     assert trained == batch[0].response_length + batch[1].response_length
@@ -122,7 +122,7 @@ def test_no_signal_means_no_update(tiny_model_path, tokenizer):
 
 
 def _on_policy(trainer, batch, version):
-    for s, lp in zip(batch, trainer.compute_old_logprobs(batch)):
+    for s, lp in zip(batch, trainer.sample_logprobs(batch)):
         s.trace.logprobs = lp.tolist()
         s.trace.versions = [version] * len(s.tokens)
     return batch

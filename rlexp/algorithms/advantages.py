@@ -15,6 +15,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from rlexp.sample import Sample, Status
+
 
 @dataclass
 class AdvantageInputs:
@@ -24,6 +26,21 @@ class AdvantageInputs:
     mask: torch.Tensor  # [N, T] 1.0 at trained tokens (a row of zeros: nothing trained)
     token_rewards: torch.Tensor | None = None  # [N, T] e.g. -beta * KL per token, or None
     values: torch.Tensor | None = None  # [N, T] a critic's values (advantage=gae), or None
+
+    @classmethod
+    def from_samples(cls, batch: list[Sample], token_rewards: torch.Tensor | None = None,
+                     values: torch.Tensor | None = None) -> AdvantageInputs:
+        """A batch's inputs, T its longest sample's tokens - 1 (aligned like TokenBatch): a
+        failed sample, or one with no response, has a row of zeros and no group."""
+        width = max((len(s.tokens) for s in batch), default=1)
+        mask = torch.zeros(len(batch), max(width - 1, 0))
+        for i, s in enumerate(batch):
+            if s.status == Status.COMPLETED and s.response_length:
+                mask[i, :len(s.tokens) - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        return cls(rewards=torch.tensor([s.reward for s in batch], dtype=torch.float32),
+                   groups=[s.group_id for s in batch],
+                   completed=torch.tensor([s.status == Status.COMPLETED for s in batch]),
+                   mask=mask, token_rewards=token_rewards, values=values)
 
     def scores(self) -> torch.Tensor:
         """[N] each sample's return: its reward plus its per-token rewards."""

@@ -7,6 +7,7 @@ import torch
 
 from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs
 from rlexp.algorithms.aggregation import Aggregation, Totals
+from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm
 from rlexp.algorithms.mismatch import MismatchCorrection
 from rlexp.algorithms.policy_losses import Metrics, PolicyLoss, TokenInputs
@@ -23,8 +24,11 @@ class Objective:
         """The trainer's own logprobs before the update are needed (one more forward)."""
         return self.policy_loss.needs_recompute or self.mismatch.needs_recompute
 
-    def advantages(self, x: AdvantageInputs) -> torch.Tensor:
-        return self.advantage(x)
+    def advantages(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-token advantages, the critic's targets: GAE's returns, None without a critic)."""
+        if isinstance(self.advantage, GAE):
+            return self.advantage.advantages_and_returns(x)
+        return self.advantage(x), None
 
     def token_loss(self, x: TokenInputs, entropy: torch.Tensor | None,
                    ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:

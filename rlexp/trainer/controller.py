@@ -2,10 +2,12 @@
 group, LoRA, checkpoints and the weights the engine gets. It knows no algorithm: it runs the
 `Objective` composed from the config groups (rlexp/algorithms/).
 
-`fit(batch, version)` = the trained samples as one TokenBatch (padded tensors, built once) ->
-proximal logprobs (the rollout's, or recomputed) -> reference logprobs (only when the
-objective or this step's `train/kl` needs them) -> advantages -> forward/backward per
-micro-batch -> optimizer step; metrics stay tensors until one host transfer at the end.
+`fit(batch, version)` is its public low-level API called in order (rlexp/trainer/fit_batch.py):
+`prepare` (the trained samples as one TokenBatch, padded tensors built once) ->
+`compute_old_logprobs` (the rollout's, or recomputed) -> `compute_ref_logprobs` (only when
+the objective or this step's `train/kl` needs them) -> `compute_values` (the critic's) ->
+`compute_advantages` -> `train` (forward/backward per micro-batch, optimizer steps; metrics
+stay tensors until one host transfer at the end).
 
 Distributed (a torch.distributed group is initialised, rlexp/trainer/distributed.py): every
 rank gets the whole batch, shards the model with FSDP2 and trains its token-balanced share
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -28,7 +30,6 @@ from safetensors.torch import load_file
 
 from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs, GroupNormalized
 from rlexp.algorithms.aggregation import Aggregation, TokenMean, Totals
-from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm, kl_estimate
 from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
 from rlexp.algorithms.objective import Objective
@@ -37,6 +38,7 @@ from rlexp.constraints import AtLeast0, AtLeast1, Dtype, Positive
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
 from rlexp.trainer.critic import Critic, critic_report
+from rlexp.trainer.fit_batch import FitBatch, Piece
 from rlexp.trainer.fit_metrics import add, add_maxima, add_terms, offpolicy_report, offpolicy_sums
 from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
 from rlexp.trainer.policy import build_policy
@@ -45,9 +47,6 @@ from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
-
-Piece = tuple[torch.Tensor, int, bool]  # rows, padded width, real (False: a masked-out filler)
-
 
 class TrainController:
     def __init__(
@@ -110,48 +109,69 @@ class TrainController:
         # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
         self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
 
-    # ---- low-level API -------------------------------------------------------------
-    @torch.no_grad()
-    def compute_old_logprobs(self, batch: list[Sample]) -> list[torch.Tensor]:
-        """Logprobs of the batch's tokens under the current policy (before this update),
-        one tensor per sample aligned to its tokens (entry 0 is 0)."""
-        return self._per_sample(self.model, batch)
-
-    @torch.no_grad()
-    def compute_ref_logprobs(self, batch: list[Sample]) -> list[torch.Tensor] | None:
-        if not self.has_ref:
-            return None
-        with self._reference() as ref:
-            return self._per_sample(ref, batch)
-
-    def compute_advantages(self, batch: list[Sample], token_rewards: torch.Tensor | None = None,
-                           values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[N, T] per-token advantages of the whole batch (T: the longest sample's tokens - 1,
-        aligned like TokenBatch); a failed sample gets 0 and shifts no baseline or statistic.
-        `token_rewards` [N, T]: per-token rewards (the KL penalty in the reward); `values`
-        [N, T]: the critic's. Returns (advantages, the critic's targets or None)."""
-        width = max((len(s.tokens) for s in batch), default=1)
-        mask = torch.zeros(len(batch), max(width - 1, 0))
-        for i, s in enumerate(batch):
-            if s.status == Status.COMPLETED and s.response_length:
-                mask[i, :len(s.tokens) - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
-        x = AdvantageInputs(rewards=torch.tensor([s.reward for s in batch], dtype=torch.float32),
-                            groups=[s.group_id for s in batch],
-                            completed=torch.tensor([s.status == Status.COMPLETED for s in batch]),
-                            mask=mask, token_rewards=token_rewards, values=values)
-        if isinstance(self.objective.advantage, GAE):
-            return self.objective.advantage.advantages_and_returns(x)
-        return self.objective.advantages(x), None
-
-    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
-        """Every rank calls it with the whole batch."""
+    # ---- low-level API: `fit` is these calls in order (rlexp/trainer/fit_batch.py) ------
+    def prepare(self, batch: list[Sample], version: int) -> FitBatch:
+        """The trained samples (completed, with a response) as one TokenBatch; its rows cut
+        into `minibatches_per_step` minibatches, each dealt to the ranks in micro-batches.
+        Every rank calls it with the whole batch."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         trained = [i for i, s in enumerate(batch) if s.status == Status.COMPLETED and s.response_length]
+        fb = FitBatch(batch, version, trained)
+        if not trained:
+            return fb
+        tb = fb.tokens = TokenBatch.build([batch[i] for i in trained], version)
+        n_mb = min(self.minibatches_per_step, len(tb))
+        shares = [distributed.balanced_split(list(range(m, len(tb), n_mb)), tb.lengths, self.world)
+                  for m in range(n_mb)]
+        fb.minibatches = [(sum(share, []), *self._pieces(tb, share)) for share in shares]
+        # every row this rank trains in any minibatch: the forwards before the update run over them
+        fb.my_pieces = self._pieces(tb, [sorted(i for share in shares for i in share[r])
+                                         for r in range(self.world)])[0]
+        return fb
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, fb: FitBatch) -> torch.Tensor | None:
+        """The logprobs the ratio is taken against: the rollout's, or these weights' before the
+        update (a forward) with `old_logprobs=recompute` or an objective that needs them."""
+        if fb.tokens is not None:
+            behav = fb.tokens.behav_logprobs.to(self.device)
+            fb.old = self._logprobs(self.model, fb.tokens, fb.my_pieces) if self.recompute else behav
+        return fb.old
+
+    @torch.no_grad()
+    def compute_ref_logprobs(self, fb: FitBatch) -> torch.Tensor | None:
+        """The reference policy's logprobs (a forward), only when the objective uses them or
+        this step logs `train/kl` (`ref_kl_every_n_steps`); else None."""
+        if fb.tokens is not None and self._wants_ref():
+            with self._reference() as ref:
+                fb.ref = self._logprobs(ref, fb.tokens, fb.my_pieces)
+        return fb.ref
+
+    @torch.no_grad()
+    def compute_values(self, fb: FitBatch) -> torch.Tensor | None:
+        """The critic's values (a forward of the critic), every rank's rows gathered: GAE runs
+        over the whole batch. None without a critic."""
+        if fb.tokens is not None and self.critic:
+            fb.values = distributed.all_reduce_(self.critic.values(fb.tokens, fb.my_pieces), "sum")
+        return fb.values
+
+    def compute_advantages(self, fb: FitBatch) -> torch.Tensor | None:
+        """Per-token advantages (and with a critic its targets, `fb.returns`) from the batch's
+        rewards and groups, with the KL penalty in the reward and the critic's values where
+        the algorithm has them. A failed sample is no row and shifts no baseline."""
+        fb.require("old", *self._needs_before_advantages(), call="compute_advantages")
+        if fb.tokens is not None:
+            fb.advantages, fb.returns = self._advantages(fb)
+        return fb.advantages
+
+    def train(self, fb: FitBatch) -> dict[str, float]:
+        """Forward/backward per micro-batch and one optimizer step per minibatch (none when
+        nothing carries signal), then the lr schedule's step; the step's metrics."""
+        fb.require("old", "advantages", *(["ref"] if self.objective.kl.in_loss else []), call="train")
         metrics: dict[str, float] = {"train/skipped_step": 1.0, "train/advantage_abs_mean": 0.0}
-        if trained:
-            tb = TokenBatch.build([batch[i] for i in trained], version)
-            metrics = self._update(batch, trained, tb, version)
+        if fb.tokens is not None:
+            metrics = self._update(fb)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         if self.critic:
             metrics["critic/lr"] = self.critic.step_lr()
@@ -162,6 +182,24 @@ class TrainController:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.lr_scheduler.step()
         return metrics
+
+    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
+        """One RL step's update. Every rank calls it with the whole batch."""
+        fb = self.prepare(batch, version)
+        self.compute_old_logprobs(fb)
+        self.compute_ref_logprobs(fb)
+        self.compute_values(fb)
+        self.compute_advantages(fb)
+        return self.train(fb)
+
+    @torch.no_grad()
+    def sample_logprobs(self, samples: list[Sample], reference: bool = False) -> list[torch.Tensor] | None:
+        """Each sample's token logprobs under the current policy (`reference`: the reference
+        policy's; None when there is none), aligned to its tokens (entry 0 is 0)."""
+        if reference and not self.has_ref:
+            return None
+        with self._reference() if reference else nullcontext(self.model) as model:
+            return self._per_sample(model, samples)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's full tensors one at a time (when sharded, each is gathered as it is
@@ -262,52 +300,39 @@ class TrainController:
                 out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
 
-    def _ref_logprobs(self, tb: TokenBatch, pieces: list[Piece]) -> torch.Tensor | None:
-        if not self._wants_ref():
-            return None
-        with self._reference() as ref_model:
-            return self._logprobs(ref_model, tb, pieces)
+    def _needs_before_advantages(self) -> list[str]:
+        return (["ref"] if self.objective.kl.in_reward else []) + (["values"] if self.critic else [])
 
-    def _advantages(self, batch, trained, tb: TokenBatch, old, ref, values):
-        """Advantages and the critic's targets (or None), [rows of tb, T] on the device. With
-        the KL in the reward, its per-token penalty (old vs reference logprobs, every rank's
-        rows gathered) enters the advantages; so do the critic's values (gathered)."""
+    def _advantages(self, fb: FitBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Advantages and the critic's targets (or None), [rows, T] on the device. With the KL
+        in the reward, its per-token penalty (old vs reference logprobs, every rank's rows
+        gathered) enters the advantages; so do the critic's values (gathered)."""
+        assert fb.tokens is not None and fb.old is not None
+        batch, trained, tb = fb.samples, fb.trained, fb.tokens
         token_rewards = values_all = None
         width = max(len(s.tokens) for s in batch) - 1
-        if values is not None:
+        if fb.values is not None:
             values_all = torch.zeros(len(batch), width)
-            values_all[trained, :values.shape[1]] = values.cpu()
+            values_all[trained, :fb.values.shape[1]] = fb.values.cpu()
         if self.objective.kl.in_reward:
-            assert ref is not None, "the KL is in the reward: the reference runs every step"
-            old_all = distributed.all_reduce_(old.clone(), "sum") if self.recompute else old
-            ref_all = distributed.all_reduce_(ref.clone(), "sum")
-            penalty = self.objective.kl.token_rewards(old_all, ref_all, tb.loss_mask.to(old.device)).cpu()
+            assert fb.ref is not None
+            old_all = distributed.all_reduce_(fb.old.clone(), "sum") if self.recompute else fb.old
+            ref_all = distributed.all_reduce_(fb.ref.clone(), "sum")
+            penalty = self.objective.kl.token_rewards(old_all, ref_all, tb.loss_mask.to(fb.old.device)).cpu()
             token_rewards = torch.zeros(len(batch), width)
             token_rewards[trained, :penalty.shape[1]] = penalty
-        adv, returns = self.compute_advantages(batch, token_rewards, values_all)
+        x = AdvantageInputs.from_samples(batch, token_rewards, values_all)
+        adv, returns = self.objective.advantages(x)
         rows = (trained, slice(0, tb.loss_mask.shape[1]))
         return adv[rows].to(self.device), (returns[rows].to(self.device) if returns is not None else None)
 
-    def _update(self, batch: list[Sample], trained: list[int], tb: TokenBatch,
-                version: int) -> dict[str, float]:
-        """Optimizer steps over `minibatches_per_step` slices of the rows (none when nothing
-        carries signal); metrics are summed as tensors and read once."""
-        n_mb = min(self.minibatches_per_step, len(tb))
-        # each minibatch's rows dealt to the ranks; per minibatch: its rows, this rank's pieces,
-        # every rank's real pieces
-        shares = [distributed.balanced_split(list(range(m, len(tb), n_mb)), tb.lengths, self.world)
-                  for m in range(n_mb)]
-        plan = [(sum(share, []), *self._pieces(tb, share)) for share in shares]
-        # the logprobs taken before the update: of every row this rank trains in any minibatch
-        my_pieces = self._pieces(tb, [sorted(i for share in shares for i in share[r])
-                                      for r in range(self.world)])[0]
+    def _update(self, fb: FitBatch) -> dict[str, float]:
+        """Optimizer steps over the minibatches (none when nothing carries signal); metrics are
+        summed as tensors and read once."""
+        tb, plan, adv, values, returns = fb.tokens, fb.minibatches, fb.advantages, fb.values, fb.returns
+        assert tb is not None and adv is not None and fb.old is not None
+        n_mb = len(plan)
         behav = tb.behav_logprobs.to(self.device)
-        old = self._logprobs(self.model, tb, my_pieces) if self.recompute else behav
-        ref = self._ref_logprobs(tb, my_pieces)
-        values = None
-        if self.critic:  # every rank's rows gathered: GAE runs over the whole batch
-            values = distributed.all_reduce_(self.critic.values(tb, my_pieces), "sum")
-        adv, returns = self._advantages(batch, trained, tb, old, ref, values)
         frozen = self.critic is not None and self.fits_done < self.critic.critic_only_steps
         # No advantage and no KL or entropy term: the gradient is zero. An optimizer step would
         # still move the weights on Adam's momentum, so skip it (the forwards still run and log).
@@ -322,7 +347,8 @@ class TrainController:
             forwarded += [(idx, width) for idx, width, _ in everyone]
             mask_rows = tb.loss_mask[rows]  # over all ranks: the aggregation's global totals
             totals = Totals(tokens=float(mask_rows.sum()), seqs=float((mask_rows.sum(-1) > 0).sum()))
-            part = self._minibatch(tb, mine, totals, (old, behav, ref, adv), levels, maxes, first=m == 0)
+            logprobs = (fb.old, behav, fb.ref, adv)
+            part = self._minibatch(tb, mine, totals, logprobs, levels, maxes, first=m == 0)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
             if not no_signal and not frozen:
                 self.optimizer.step()
@@ -337,11 +363,11 @@ class TrainController:
         out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
         out["train/pad_frac"] = tb.pad_frac(forwarded)
         out["train/skipped_step"] = float(no_signal or frozen)
-        if self.critic and values is not None and returns is not None:
-            out |= critic_report(values, returns, tb.loss_mask.to(self.device))
         mask = tb.loss_mask.to(self.device)
+        if self.critic and values is not None and returns is not None:
+            out |= critic_report(values, returns, mask)
         per_sample = (adv.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        out["train/advantage_abs_mean"] = per_sample.sum().item() / len(batch)
+        out["train/advantage_abs_mean"] = per_sample.sum().item() / len(fb.samples)
         return offpolicy_report(out, levels)
 
     def _minibatch(self, tb: TokenBatch, mine: list[Piece], totals: Totals, logprobs, levels,
