@@ -58,7 +58,8 @@ def main() -> None:
         print(f"  {side:5s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "
               f"sync {m['sync']:.3f})  response {m['tokens']:.1f} tokens  peak RSS {m['peak_mb']:.0f} MiB")
     g, q = med["grpo"], med["ppo"]
-    print(f"fit ppo/grpo: {q['fit'] / g['fit']:.3f}   peak RSS ppo - grpo: {q['peak_mb'] - g['peak_mb']:.0f} MiB")
+    print(f"fit ppo/grpo: {q['fit'] / g['fit']:.3f}   "
+          f"peak RSS ppo - grpo: {q['peak_mb'] - g['peak_mb']:.0f} MiB")
     print(f"ratio: {q['step'] / g['step']:.3f}")
 
 
