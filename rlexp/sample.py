@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from rlexp.constraints import AtLeast1, NonNegative, TopP
 
@@ -20,15 +20,45 @@ class Status(str, enum.Enum):
     FILTERED = "filtered"
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """What a reply must match, enforced by the engine's guided decoding: a `regex`, a JSON
+    schema (`json_schema`, `spec` is the schema as JSON text) or any JSON object."""
+
+    kind: Literal["regex", "json_schema", "json_object"]
+    spec: str = ""
+
+
 @dataclass
 class SamplingConfig:
-    """Sampling settings handed to a RolloutEngine; engine-agnostic."""
+    """Sampling settings handed to a RolloutEngine; engine-agnostic. The fields after `seed`
+    come from requests to the OpenAI-compatible server (rlexp/chat/schema.py)."""
 
     temperature: NonNegative = 1.0  # 0 = greedy
     top_p: TopP = 1.0
     max_tokens: AtLeast1 = 16
     seed: int | None = None
-    regex: str | None = None  # constrain the output to this pattern (e.g. tool_choice="required")
+    constraint: Constraint | None = None  # e.g. tool_choice="required", response_format
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per earlier occurrence in the reply
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once a token occurred in the reply
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    top_logprobs: int = 0  # alternatives per generated token to return with their logprobs
+
+    @property
+    def depends_on_the_reply(self) -> bool:
+        """The distribution of a token depends on the reply so far (a grammar's state, the
+        penalties' counts): a reply cut short cannot go on as a new request from its tokens."""
+        return self.constraint is not None or bool(self.frequency_penalty or self.presence_penalty)
+
+    def requested(self) -> dict[str, Any]:
+        """The request-level fields set away from their defaults, for a reply's record."""
+        out: dict[str, Any] = {}
+        if self.constraint is not None:
+            out["constraint"] = {"kind": self.constraint.kind, "spec": self.constraint.spec}
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        return out
 
 
 @dataclass
@@ -39,6 +69,7 @@ class Generation:
     logprobs: list[float]  # log-prob of each sampled token under the sampling distribution
     finish_reason: str  # "stop" | "length" | "abort"
     versions: list[int]  # per token: policy version of the engine weights that produced it
+    top_logprobs: list[dict[int, float]] | None = None  # per token, when asked: the likeliest ids
 
     @property
     def version(self) -> int:

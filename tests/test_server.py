@@ -84,6 +84,7 @@ def test_openai_package_three_turns_with_a_tool_call(tokenizer):
 
 
 USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
 # name, path, body (dict: JSON; bytes: sent as is), status, param, a phrase of the message
 BAD_REQUESTS = [
     ("max_tokens < 1", "/chat/completions", {"messages": USER, "max_tokens": -3}, 400, "max_tokens",
@@ -141,6 +142,30 @@ BAD_REQUESTS = [
     ("completion: max_tokens beyond the context", "/completions", {"prompt": "1+1=", "max_tokens": 10**9},
      400, "max_tokens", "at most"),
     ("tokenize: neither messages nor prompt", "/../tokenize", {}, 400, None, "give one of"),
+    ("a field rlexp does not know", "/chat/completions", {"messages": USER, "reasoning_effort": "high"}, 400,
+     "reasoning_effort", "not a field rlexp knows"),
+    ("a deprecated field that changes the reply", "/chat/completions",
+     {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "not a field rlexp knows"),
+    ("parallel_tool_calls=false with tool_choice auto", "/chat/completions",
+     {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False}, 400, "parallel_tool_calls",
+     "only with a forced call"),
+    ("json_schema format without its schema", "/chat/completions",
+     {"messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format", "goes with"),
+    ("unknown response_format type", "/chat/completions",
+     {"messages": USER, "response_format": {"type": "yaml"}}, 400, "response_format.type", "'text'"),
+    ("logit_bias key not a token id", "/chat/completions", {"messages": USER, "logit_bias": {"a": 1}}, 400,
+     "logit_bias", "not a token id"),
+    ("logit_bias token id out of vocabulary", "/chat/completions",
+     {"messages": USER, "logit_bias": {"1000000": 1}}, 400, "logit_bias", "not in the vocabulary"),
+    ("logit_bias beyond 100", "/chat/completions", {"messages": USER, "logit_bias": {"5": 101}}, 400,
+     "logit_bias.5", "less than or equal to 100"),
+    ("frequency_penalty beyond 2", "/chat/completions", {"messages": USER, "frequency_penalty": 2.5}, 400,
+     "frequency_penalty", "less than or equal to 2"),
+    ("top_logprobs beyond 20", "/chat/completions", {"messages": USER, "top_logprobs": 21}, 400,
+     "top_logprobs", "less than or equal to 20"),
+    ("completion: echo", "/completions", {"prompt": "1+1=", "echo": True}, 400, "echo", "False"),
+    ("completion: best_of", "/completions", {"prompt": "1+1=", "best_of": 2}, 400, "best_of", "1"),
+    ("completion: suffix", "/completions", {"prompt": "1+1=", "suffix": "x"}, 400, "suffix", "None"),
     ("unknown path", "/embeddings", {"input": "x"}, 404, None, "Not Found"),
 ]
 

@@ -23,6 +23,7 @@ from typing import Any
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
+from rlexp.chat import structured
 from rlexp.chat.render import encode
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
@@ -52,14 +53,6 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
                       "function": {"name": name, "arguments": arguments}})
     content = _TOOL_CALL.sub("", text).strip() if calls else text
     return content, calls
-
-
-def tool_call_regex(names: list[str]) -> str:
-    """Output pattern that forces one Hermes-style call of one of `names` (`tool_choice`)."""
-    alternatives = "|".join(re.escape(json.dumps(n)) for n in names)
-    pair = r'"[a-z_]{1,20}": "[^"\\<>\x00-\x1f]{0,80}"'  # no control characters (JSON forbids them raw)
-    return (r'<tool_call>\{"name": (' + alternatives + r'), "arguments": \{(' + pair + r'(, ' + pair
-            + r'){0,3})?\}\}</tool_call>')
 
 
 def _message_key(message: dict[str, Any]) -> str:
@@ -127,17 +120,16 @@ class SessionStore:
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         prompt = session.prepare(rendered, tools)
         sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.trace))
-        forced = request.forced_tools
-        if forced:
-            sampling = dataclasses.replace(sampling, regex=tool_call_regex(forced))
+        sampling = dataclasses.replace(sampling, constraint=structured.constraint(request),
+                                       top_logprobs=request.top_logprobs or 0)
+        calls_allowed = bool(tools) and request.tool_choice != "none"
         choices: list[dict[str, Any]] = []
         for i in range(request.n or 1):
-            s = sampling if sampling.seed is None else \
-                dataclasses.replace(sampling, seed=_nth_seed(sampling.seed, i))
-            gen = _apply_stop(await self._generate(prompt.trace.tokens, s), request.stops, self.tokenizer)
-            session.record(prompt, gen)
+            gen = _apply_stop(await self._generate(prompt.trace.tokens, _nth(sampling, i)), request.stops,
+                              self.tokenizer)
+            session.record(prompt, gen, sampling.requested())
             text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-            content, calls = parse_tool_calls(text) if tools else (text, [])
+            content, calls = parse_tool_calls(text) if calls_allowed else (text, [])
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -150,9 +142,7 @@ class SessionStore:
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
             choices.append({
                 "index": i, "message": message, "finish_reason": finish, "token_ids": gen.token_ids,
-                "logprobs": {"content": [  # ids past the tokenizer's vocabulary have no string
-                    {"token": self.tokenizer.convert_ids_to_tokens(t) or f"<id:{t}>", "logprob": lp,
-                     "bytes": None, "top_logprobs": []} for t, lp in zip(gen.token_ids, gen.logprobs)]},
+                "logprobs": {"content": self._token_logprobs(gen)},
             })
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
         return {
@@ -178,14 +168,36 @@ class SessionStore:
             raise SessionError(f"prompt has {len(ids)} tokens; the context is {self.max_context}",
                                param="prompt")
         sampling = self._request_sampling(request, self.engine.sampling, len(ids))
-        gen = _apply_stop(await self._generate(ids, sampling), request.stops, self.tokenizer)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
-            "created": int(time.time()), "model": self.model_name, "prompt_token_ids": ids,
-            "choices": [{"index": 0, "text": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
-                         "finish_reason": "length" if gen.finish_reason == "length" else "stop",
-                         "token_ids": gen.token_ids, "logprobs": None}],
-        }
+        sampling = dataclasses.replace(sampling, top_logprobs=request.logprobs or 0)
+        choices = []
+        for i in range(request.n or 1):
+            gen = _apply_stop(await self._generate(ids, _nth(sampling, i)), request.stops, self.tokenizer)
+            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            choices.append({"index": i, "text": text, "token_ids": gen.token_ids,
+                            "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+                            "logprobs": None if request.logprobs is None else self._completion_logprobs(gen)})
+        return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name, "prompt_token_ids": ids,
+                "choices": choices}
+
+    def _completion_logprobs(self, gen: Generation) -> dict[str, Any]:
+        """The completions API's `logprobs`: tokens, their logprobs, alternatives, text offsets."""
+        tokens = [self.tokenizer.decode([t]) for t in gen.token_ids]
+        offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        top = [{self.tokenizer.decode([a]): lp for a, lp in alts.items()} for alts in gen.top_logprobs or []]
+        return {"tokens": tokens, "token_logprobs": gen.logprobs, "top_logprobs": top or None,
+                "text_offset": offsets}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(token_id) or f"<id:{token_id}>"  # past the vocabulary
+
+    def _token_logprobs(self, gen: Generation) -> list[dict[str, Any]]:
+        """Chat's `logprobs.content`: each token's logprob and, when asked, its alternatives."""
+        top = gen.top_logprobs or [{}] * len(gen.token_ids)
+        return [{"token": self._token(t), "logprob": lp, "bytes": None,
+                 "top_logprobs": [{"token": self._token(a), "logprob": alp, "bytes": None}
+                                  for a, alp in sorted(alts.items(), key=lambda kv: -kv[1])]}
+                for t, lp, alts in zip(gen.token_ids, gen.logprobs, top)]
 
     async def _generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         try:
@@ -207,12 +219,25 @@ class SessionStore:
             temperature=default.temperature if request.temperature is None else request.temperature,
             top_p=default.top_p if request.top_p is None else request.top_p,
             max_tokens=min(asked or default.max_tokens, room),
-            seed=request.seed if "seed" in request.model_fields_set else default.seed)
+            seed=request.seed if "seed" in request.model_fields_set else default.seed,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            presence_penalty=request.presence_penalty or 0.0, logit_bias=self._logit_bias(request.logit_bias))
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out = {int(k): v for k, v in bias.items()}
+        if max(out) >= len(self.tokenizer):
+            raise SessionError(f"logit_bias: token id {max(out)} is not in the vocabulary "
+                               f"(size {len(self.tokenizer)})", param="logit_bias")
+        return out
 
 
-def _nth_seed(seed: int, i: int) -> int:
-    """Choice i's seed: seed + i, wrapped into the signed 64-bit range."""
-    return (seed + i + 2**63) % 2**64 - 2**63
+def _nth(sampling: SamplingConfig, i: int) -> SamplingConfig:
+    """Choice i's sampling: seed + i, wrapped into the signed 64-bit range (None stays None)."""
+    if sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + i + 2**63) % 2**64 - 2**63)
 
 
 def _apply_stop(gen: Generation, stops: list[str], tokenizer) -> Generation:

@@ -2,8 +2,10 @@
 touches a session, the chat template or the engine, so every bad field is a SessionError
 (a 4xx from the server) that names the field, in OpenAI's form ("messages.[0].role").
 
-Types are strict, as OpenAI's are ("5" is not an integer, 1 is not a string). Fields rlexp
-does not know are ignored, as vLLM ignores them, so clients that send extras keep working."""
+Types are strict, as OpenAI's are ("5" is not an integer, 1 is not a string). Every request
+field is honoured, refused, or ignored because it cannot change the reply (`HARMLESS`, each
+with its reason); a field rlexp does not know is refused, since it may change the reply
+(docs/agents.md lists them all)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ Seed = Annotated[int, Ge(-(2**63)), Le(2**63 - 1)]  # a signed 64-bit integer, a
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class TextPart(_Model):
@@ -74,7 +76,7 @@ class Message(_Model):
         return out
 
 
-class Function(_Model):
+class Function(_Model):  # its own keys: a tool spec is data, not a request field
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -98,6 +100,22 @@ class NamedToolChoice(_Model):
 Stop = Annotated[str, Field(min_length=1)]
 
 
+# Accepted and not used: none of them changes what is generated (why, per field).
+HARMLESS = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags the provider stores with a completion",
+    "store": "whether the provider keeps the completion; the session records it anyway",
+    "service_tier": "the provider's latency/price tier",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache",
+    "prompt_cache_retention": "how long the provider's prompt cache keeps a prefix",
+    "prediction": "predicted output: speeds a provider up, never changes the output",
+    "logprobs": "the sampled tokens' logprobs are always returned (they are the training data)",
+}
+Penalty = Annotated[float, Ge(-2), Le(2)]
+Bias = Annotated[float, Ge(-100), Le(100)]
+
+
 class _Sampling(_Model):
     model: str | None = None
     max_tokens: AtLeast1 | None = None
@@ -106,6 +124,18 @@ class _Sampling(_Model):
     seed: Seed | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    # the harmless fields, typed loosely: they are not read
+    user: Any = None
+    safety_identifier: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prediction: Any = None
 
     @field_validator("stream")
     @classmethod
@@ -114,9 +144,37 @@ class _Sampling(_Model):
             raise ValueError("stream=true is not supported")
         return stream
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"{key!r} is not a token id")
+        return bias
+
     @property
     def stops(self) -> list[str]:
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class JSONSchemaFormat(_Model):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("type 'json_schema' goes with a 'json_schema' object, and only it")
+        return self
 
 
 class ChatRequest(_Sampling):
@@ -125,6 +183,10 @@ class ChatRequest(_Sampling):
     n: Annotated[int, Ge(1), Le(MAX_N)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Ge(0), Le(20)] | None = None
     session_id: str | None = None
 
     @field_validator("tool_choice")
@@ -136,6 +198,14 @@ class ChatRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"it names {choice.function.name!r}, which is not in 'tools'")
         return choice
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _one_call_only_when_forced(cls, parallel, info: ValidationInfo):
+        if parallel is False and info.data.get("tool_choice") in (None, "auto") and info.data.get("tools"):
+            raise ValueError("false is honoured only with a forced call (tool_choice 'required' or a named "
+                             "tool: exactly one call); with 'auto' the model may write several")
+        return parallel
 
     @property
     def forced_tools(self) -> list[str] | None:
@@ -149,6 +219,12 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Ge(0)]], Field(min_length=1)]
+    n: Annotated[int, Ge(1), Le(MAX_N)] | None = None
+    logprobs: Annotated[int, Ge(0), Le(5)] | None = None  # the completions API's: alternatives per token
+    echo: Literal[False] | None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+    session_id: Any = None  # harmless: completions are not session-tracked
 
 
 class TokenizeRequest(_Model):
@@ -156,6 +232,7 @@ class TokenizeRequest(_Model):
     prompt: Annotated[str, Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None  # counted as a chat request with these tools would be
+    session_id: Any = None  # harmless: counting tokens touches no session
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -194,6 +271,8 @@ def parse(model: type[Request], body: Any, model_name: str | None = None) -> Req
         errors = [(_param(err, body), err) for err in e.errors(include_url=False)]
         param, first = max(errors, key=lambda pe: (len(pe[0] or ""), not pe[1]["type"].endswith("_type")))
         message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "not a field rlexp knows; refused, since it may change the reply"
         raise SessionError(f"{param}: {message}" if param else message, param=param) from None
     name = getattr(request, "model", None)
     if model_name is not None and name is not None and name != model_name:

@@ -97,8 +97,10 @@ class ChatSession:
         return best
 
     # ---- recording completions ---------------------------------------------------------
-    def record(self, prompt: Branch, gen: Generation) -> Branch:
-        """Add one completion of `prompt` as a new open branch (n > 1: call once per choice)."""
+    def record(self, prompt: Branch, gen: Generation, requested: dict[str, Any] | None = None) -> Branch:
+        """Add one completion of `prompt` as a new open branch (n > 1: call once per choice).
+        `requested`: what the request asked of the sampling beyond the defaults (a constraint,
+        penalties, ...), kept in the reply's turn record so the training data shows it."""
         if prompt.parent is not None:  # it is continued, so no longer a leaf
             prompt.parent.open = False
         if prompt.breaks_prefix:  # history exists but the rendering does not extend it
@@ -109,6 +111,8 @@ class ChatSession:
         branch = prompt.copy()
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         branch.trace.append(gen.token_ids, role="assistant", text=text, generation=gen)
+        if requested:
+            branch.trace.turns[-1]["sampling"] = requested
         branch.text = prompt.text + text
         branch.finish_reason = gen.finish_reason
         branch.open = True

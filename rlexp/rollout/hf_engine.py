@@ -53,8 +53,9 @@ class HFEngine:
         self.busy = BusyMeter()
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
-        if sampling.regex:
-            raise ValueError("the HF engine has no constrained decoding (tool_choice='required'); use vLLM")
+        if sampling.requested():
+            raise ValueError(f"the HF engine samples with temperature and top_p only, not "
+                             f"{', '.join(sampling.requested())}: use rollout=vllm")
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((list(token_ids), sampling, fut))
         if self._worker is None or self._worker.done():

@@ -129,11 +129,12 @@ class VLLMEngine:
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
-        continues from the tokens it has under the new weights (partial rollout); a
-        constrained (regex) completion restarts instead, since its grammar state is lost."""
+        continues from the tokens it has under the new weights (partial rollout); a completion
+        whose distribution depends on the reply so far (a grammar, penalties) restarts instead."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        top: list[dict[int, float]] = []
         segment = 0
         while True:
             await self._running.wait()
@@ -141,34 +142,44 @@ class VLLMEngine:
             seed = sampling.seed if segment == 0 or sampling.seed is None else \
                 hash((sampling.seed, segment)) & 0x7FFFFFFF
             rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
-            new_ids, new_lps, finish, version = await self._request(list(token_ids) + ids, rest)
+            new_ids, new_lps, new_top, finish, version = await self._request(list(token_ids) + ids, rest)
             interrupted = finish == "abort" and self._interrupts != interrupts
-            if interrupted and sampling.regex:
-                ids, logprobs, versions = [], [], []
+            if interrupted and sampling.depends_on_the_reply:
+                ids, logprobs, versions, top = [], [], [], []
             else:
                 ids += new_ids
                 logprobs += new_lps
                 versions += [version] * len(new_ids)
-            if not interrupted:
-                return Generation(ids, logprobs, finish, versions)
+                top += new_top
+            if not interrupted or len(ids) >= sampling.max_tokens:
+                return Generation(ids, logprobs, finish if not interrupted else "length", versions,
+                                  top if sampling.top_logprobs else None)
             segment += 1
-            if len(ids) >= sampling.max_tokens:
-                return Generation(ids, logprobs, "length", versions)
 
-    async def _request(self, token_ids: list[int], sampling: SamplingConfig):
+    @staticmethod
+    def _params(sampling: SamplingConfig):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        constraint = StructuredOutputsParams(regex=sampling.regex) if sampling.regex else None
-        params = SamplingParams(
+        c = sampling.constraint
+        constraint = None if c is None else StructuredOutputsParams(
+            regex=c.spec if c.kind == "regex" else None, json=c.spec if c.kind == "json_schema" else None,
+            json_object=True if c.kind == "json_object" else None)
+        return SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
             seed=sampling.seed,
-            logprobs=0,  # the sampled token's logprob only
+            frequency_penalty=sampling.frequency_penalty,
+            presence_penalty=sampling.presence_penalty,
+            logit_bias=sampling.logit_bias,
+            logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
             structured_outputs=constraint,
         )
+
+    async def _request(self, token_ids: list[int], sampling: SamplingConfig):
+        params = self._params(sampling)
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
             await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
@@ -193,9 +204,12 @@ class VLLMEngine:
         assert final is not None
         completion = final.outputs[0]
         ids = list(completion.token_ids)
-        steps = completion.logprobs or []  # logprobs=0: each step holds the sampled token's logprob
-        logprobs = [step[tid].logprob for tid, step in zip(ids, steps) if step is not None]
-        return ids, logprobs, completion.finish_reason or "abort", version
+        steps = [step for step in completion.logprobs or [] if step is not None]
+        logprobs = [step[tid].logprob for tid, step in zip(ids, steps)]
+        k = sampling.top_logprobs  # each step also holds the sampled token, whatever its rank
+        top = [{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
+               for step in steps] if k else []
+        return ids, logprobs, top, completion.finish_reason or "abort", version
 
     @contextlib.contextmanager
     def _engine_alive(self):

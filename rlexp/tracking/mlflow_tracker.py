@@ -162,6 +162,8 @@ def log_mlflow_trace(s, step: int) -> None:
                 span.set_outputs({"text": turn.get("text", "")})
                 span.set_attributes({"rlexp.span": list(turn.get("span", [])),
                                      "rlexp.trained": turn.get("mask", 0)})
+                if "sampling" in turn:  # what the request constrained or changed (a server's reply)
+                    span.set_attributes({"rlexp.sampling": json.dumps(turn["sampling"])})
         root.set_outputs({"response": s.response_text, "reward": s.reward,
                           "reward_components": s.reward_components})
 
