@@ -276,3 +276,53 @@ def test_engine_errors_are_a_400_for_bad_input_and_a_503_for_a_dead_engine(token
     assert rejected.status_code == 400 and "out of vocabulary" in rejected.json()["error"]["message"]
     assert dead.status_code == 503 and dead.json()["error"]["type"] == "server_error"
     assert all(not s.branches for s in store.sessions.values())  # neither changed its session
+
+
+class ConstraintRecorder(ScriptedEngine):
+    """Scripted replies; keeps the sampling each request was made with."""
+
+    def __init__(self, tokenizer, replies):
+        super().__init__(tokenizer, replies)
+        self.sampling_seen = []
+
+    async def generate(self, token_ids, sampling):
+        self.sampling_seen.append(sampling)
+        return await super().generate(token_ids, sampling)
+
+
+def test_tool_choice_none_never_yields_a_call_and_forced_calls_follow_the_schema(tokenizer):
+    import re
+
+    engine = ConstraintRecorder(tokenizer, [CALL, CALL])
+    store = SessionStore(engine, tokenizer, max_context=512)
+    schema = {"type": "object", "required": ["expression"], "additionalProperties": False,
+              "properties": {"expression": {"type": "string", "maxLength": 20}}}
+    tools = [{"type": "function", "function": {"name": "calculator", "strict": True, "parameters": schema}}]
+    sid = store.open()
+    none = asyncio.run(store.chat(sid, {"messages": USER, "tools": tools, "tool_choice": "none"}))
+    message = none["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"] == CALL  # the text, never parsed as a call
+    assert engine.sampling_seen[0].constraint is None
+    forced = asyncio.run(store.chat(sid, {"messages": USER, "tools": tools, "tool_choice": "required"}))
+    assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "calculator"
+    pattern = engine.sampling_seen[1].constraint.spec
+    assert re.fullmatch(pattern, CALL)  # the scripted call is one the constraint allows...
+    too_long = '{"expression": "' + "1" * 21 + '"}'
+    for bad in ('{"expression": 12}', '{}', '{"expression": "1", "x": 1}', too_long):
+        call = f'<tool_call>{{"name": "calculator", "arguments": {bad}}}</tool_call>'
+        assert not re.fullmatch(pattern, call), bad
+    records = [s.turns[-1].get("sampling") for s in store.close(sid).to_samples(Sample(0, [], ""))]
+    assert records == [None, {"constraint": {"kind": "regex", "spec": pattern}}]  # ...and the data says so
+
+
+def test_a_strict_schema_with_a_keyword_no_pattern_enforces_is_refused(tokenizer):
+    store = SessionStore(ScriptedEngine(tokenizer, []), tokenizer, max_context=512)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}]
+    where = r"tools.\[0\].function.parameters.properties.n.minimum"
+    with pytest.raises(SessionError, match=where + ": a strict tool's schema may not use 'minimum'"):
+        asyncio.run(store.chat(store.open(), {"messages": USER, "tools": tools, "tool_choice": "required"}))
+    tools[0]["function"]["strict"] = False  # not strict: the schema as far as a pattern goes
+    store.engine.replies = ['<tool_call>{"name": "f", "arguments": {"n": 0}}</tool_call>']
+    r = asyncio.run(store.chat(store.open(), {"messages": USER, "tools": tools, "tool_choice": "required"}))
+    assert r["choices"][0]["finish_reason"] == "tool_calls"

@@ -86,7 +86,21 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=10)
 FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
-          "stop", "stream", "tools", "tool_choice", "session_id", "prompt", "add_generation_prompt"]
+          "stop", "stream", "tools", "tool_choice", "session_id", "prompt", "add_generation_prompt",
+          "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+          "response_format", "parallel_tool_calls", "user", "metadata", "echo", "best_of", "suffix"]
+SCHEMA_KEYS = ["type", "properties", "required", "enum", "items", "maxLength", "minimum"]
+SCHEMA = st.dictionaries(st.sampled_from(SCHEMA_KEYS), JSON, max_size=3) | st.just({"type": "object"})
+# near-valid values of the structured fields, on their own or with a forced call
+STRUCTURED = {
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema"}])
+    | st.builds(lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                SCHEMA),
+    "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "127", "128", "99999", "-1", "x"]),
+                                  st.sampled_from([-101, -100, 0, 5.5, 100, 101]) | JSON, max_size=3),
+    "tools": st.lists(st.builds(lambda params, strict: {"type": "function", "function": {
+        "name": "f", "parameters": params, "strict": strict}}, SCHEMA, st.booleans() | JSON), max_size=2),
+}
 MESSAGE = st.fixed_dictionaries({}, optional={
     "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]) | st.text(max_size=8)
     | JSON,
@@ -101,7 +115,7 @@ def requests(draw):
     """(path, JSON body or raw bytes): whole random bodies, and valid requests with one field
     replaced by a random value or random messages."""
     path = draw(st.sampled_from(["/chat/completions"] * 4 + ["/completions", "/../tokenize"]))
-    kind = draw(st.sampled_from(["random", "field", "number", "number", "messages", "bytes"]))
+    kind = draw(st.sampled_from(["random", "field", "number", "number", "messages", "bytes", "structured"]))
     base = dict(VALID_COMPLETION if path == "/completions" else VALID_CHAT)
     if kind == "random":
         return path, draw(JSON)
@@ -109,9 +123,13 @@ def requests(draw):
         return path, draw(st.binary(max_size=64))
     if kind == "messages":
         return path, base | {"messages": draw(st.lists(MESSAGE, max_size=3))}
+    if kind == "structured":  # constraints and tools, near-valid, on their own or forced
+        field = draw(st.sampled_from(sorted(STRUCTURED)))
+        extra = draw(st.sampled_from([{}, {"tool_choice": "required"}, {"tool_choice": "none"}]))
+        return path, base | {field: draw(STRUCTURED[field])} | (extra if field == "tools" else {})
     if kind == "number":  # a sampling field at or around its bounds
         field = draw(st.sampled_from(["max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-                                      "seed"]))
+                                      "seed", "frequency_penalty", "presence_penalty", "top_logprobs"]))
         value = draw(st.sampled_from(NUMBERS) | st.integers(-(10**20), 10**20) | st.floats())
         return path, base | {field: value}
     return path, base | {draw(st.sampled_from(FIELDS) | st.text(max_size=8)): draw(JSON)}
@@ -170,3 +188,124 @@ def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, toke
         assert last_prompt + last_gen in [s.tokens for s in samples]
     # ...and a new conversation through the openai package is still served exactly
     test_openai_package_over_http_with_real_vllm(vllm_server, tokenizer)
+
+
+# ---- request fields through real vLLM, with the openai package ------------------------------
+STRICT_SCHEMAS = {
+    "required string and enum": {
+        "type": "object", "additionalProperties": False, "required": ["expression", "mode"],
+        "properties": {"expression": {"type": "string", "maxLength": 12},
+                       "mode": {"enum": ["fast", "exact"]}}},
+    "nested object": {
+        "type": "object", "additionalProperties": False, "required": ["point"],
+        "properties": {"point": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                                 "properties": {"x": {"type": "string", "maxLength": 4},
+                                                "y": {"type": "boolean"}}}}},
+    "array of enums, optional flag": {
+        "type": "object", "additionalProperties": False, "required": ["ops"],
+        "properties": {"ops": {"type": "array", "items": {"enum": ["+", "-", "*"]}, "minItems": 1,
+                               "maxItems": 3},
+                       "verbose": {"type": "boolean"}}},
+}
+
+
+def _client(vllm_server):
+    import openai
+
+    return openai.OpenAI(base_url=vllm_server.server.base_url, api_key="unused", max_retries=0)
+
+
+def _session(vllm_server):
+    return vllm_server.store.open()
+
+
+@pytest.mark.vllm
+def test_strict_forced_tool_calls_are_valid_under_their_schemas(vllm_server):
+    import jsonschema
+
+    client, valid, total = _client(vllm_server), 0, 0
+    for i, (name, schema) in enumerate(STRICT_SCHEMAS.items()):
+        tool = {"type": "function", "function": {"name": f"tool_{i}", "strict": True, "parameters": schema}}
+        other = {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}
+        r = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "12+34="}], tools=[other, tool], n=4,
+            tool_choice={"type": "function", "function": {"name": f"tool_{i}"}}, max_tokens=200, seed=i,
+            extra_body={"session_id": _session(vllm_server)})
+        for choice in r.choices:
+            total += 1
+            assert choice.finish_reason == "tool_calls", (name, choice)
+            (call,) = choice.message.tool_calls
+            assert call.function.name == f"tool_{i}"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+            valid += 1
+    print(f"strict forced tool calls: {valid} of {total} argument objects valid under their schema")
+    assert valid == total == 4 * len(STRICT_SCHEMAS)
+
+
+@pytest.mark.vllm
+def test_response_format_constrains_the_content_and_is_recorded(vllm_server):
+    import jsonschema
+
+    client, store = _client(vllm_server), vllm_server.store
+    schema = STRICT_SCHEMAS["nested object"]
+    sid = _session(vllm_server)
+    r = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "a point?"}], max_tokens=200, seed=0, n=3,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "point", "schema": schema, "strict": True}},
+        extra_body={"session_id": sid})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    # any JSON object: this random model writes numbers and keys of any length, so a reply may
+    # end at max_tokens; one that stopped is an object, and every one starts as one
+    r = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "json?"}], max_tokens=200, seed=1,
+        response_format={"type": "json_object"}, extra_body={"session_id": sid})
+    content = r.choices[0].message.content
+    assert content.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    samples = store.close(sid).to_samples(Sample(group_id=0, prompt=[], answer=""))
+    kinds = sorted(s.turns[-1]["sampling"]["constraint"]["kind"] for s in samples)
+    assert kinds == ["json_object"] + ["json_schema"] * 3  # the training data shows the constraint
+
+
+@pytest.mark.vllm
+def test_top_logprobs_logit_bias_and_penalties_are_honoured(vllm_server, tokenizer):
+    client = _client(vllm_server)
+
+    def chat(**kw):
+        return client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=24, temperature=0,
+            extra_body={"session_id": _session(vllm_server)}, **kw).choices[0]
+
+    # top_logprobs: k distinct alternatives per token, likeliest first; greedy picks the first
+    c = chat(logprobs=True, top_logprobs=5)
+    for tok in c.logprobs.content:
+        alts = [a.logprob for a in tok.top_logprobs]
+        assert len(alts) == 5 and alts == sorted(alts, reverse=True)
+        assert len({a.token for a in tok.top_logprobs}) == 5
+        assert tok.logprob == pytest.approx(alts[0], abs=1e-5)
+    # logit_bias: +100 makes a token certain, -100 makes the greedy one impossible
+    forced = chat(logit_bias={"50": 100}).model_extra["token_ids"]
+    assert forced == [50] * 24
+    plain = chat().model_extra["token_ids"]
+    banned = chat(logit_bias={str(plain[0]): -100}).model_extra["token_ids"]
+    assert plain[0] not in banned
+    # penalties: greedy without them repeats tokens; with them it repeats fewer
+    def most_repeated(ids):
+        return max(Counter(ids).values())
+    assert most_repeated(plain) > 1
+    penalised = chat(frequency_penalty=2.0, presence_penalty=2.0).model_extra["token_ids"]
+    assert most_repeated(penalised) < most_repeated(plain)
+
+
+@pytest.mark.vllm
+def test_completions_n_and_logprobs(vllm_server):
+    r = _client(vllm_server).completions.create(model="policy", prompt="12+34=", max_tokens=6, n=3, seed=0,
+                                                logprobs=2, logit_bias={"2": -100})  # 2: end of turn
+    assert len(r.choices) == 3 and len({tuple(c.model_extra["token_ids"]) for c in r.choices}) > 1
+    for c in r.choices:
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.model_extra["token_ids"])
+        assert all(len(top) <= 2 for top in c.logprobs.top_logprobs) and 2 not in c.model_extra["token_ids"]

@@ -25,6 +25,26 @@ from rlexp.errors import SessionError
 from rlexp.sample import Constraint
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# JSON-schema keywords a pattern cannot enforce (outlines-core drops them): a strict tool
+# using one would get arguments its schema rejects, so it is refused instead.
+UNENFORCED = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+              "minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+              "dependentSchemas", "if", "then", "else", "not", "contains", "unevaluatedProperties"}
+
+
+def unenforced(schema: Any, where: str) -> str | None:
+    """The first place in `schema` that uses a keyword of UNENFORCED (None: there is none)."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if key in UNENFORCED:
+            return f"{where}.{key}"
+    subs = [(f"{where}.properties.{k}", v) for k, v in (schema.get("properties") or {}).items()]
+    subs += [(f"{where}.$defs.{k}", v) for k, v in (schema.get("$defs") or {}).items()]
+    subs += [(f"{where}.{k}", schema[k]) for k in ("items", "additionalProperties") if k in schema]
+    subs += [(f"{where}.{k}.[{i}]", v) for k in ("anyOf", "oneOf", "allOf", "prefixItems")
+             for i, v in enumerate(schema.get(k) or [])]
+    return next((found for w, sub in subs if (found := unenforced(sub, w))), None)
 
 
 def schema_regex(schema: dict[str, Any]) -> str:
@@ -34,13 +54,16 @@ def schema_regex(schema: dict[str, Any]) -> str:
 
 def _arguments_regex(tool: Tool, index: int) -> str:
     schema = tool.function.parameters or ANY_OBJECT
+    where = f"tools.[{index}].function.parameters"
+    if tool.function.strict and (found := unenforced(schema, where)):
+        raise SessionError(f"{found}: a strict tool's schema may not use {found.rsplit('.', 1)[1]!r}: "
+                           "structured outputs cannot enforce it", param=where)
     try:
         return schema_regex(schema)
     except (ValueError, TypeError) as e:
         if tool.function.strict:
-            raise SessionError(f"tools.[{index}].function.parameters: a strict tool's schema must be "
-                               f"one structured outputs can enforce: {e}",
-                               param=f"tools.[{index}].function.parameters") from None
+            raise SessionError(f"{where}: a strict tool's schema must be one structured outputs can "
+                               f"enforce: {e}", param=where) from None
         return schema_regex(ANY_OBJECT)
 
 

@@ -91,6 +91,9 @@ class VLLMEngine:
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_sleep_mode=enable_sleep_mode and on_gpu,
             worker_extension_cls="rlexp.weights.vllm_worker.SharedWeightLoader",
+            # JSON constraints (response_format) without free whitespace: a grammar that allows
+            # it lets a model pad a reply with blank lines up to max_tokens (an engine setting)
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
         if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
             kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
