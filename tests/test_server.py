@@ -121,7 +121,9 @@ BAD_REQUESTS = [
     ("tool_choice not in tools", "/chat/completions",
      {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "calc"}}}, 400,
      "tool_choice", "not in 'tools'"),
-    ("stream=true", "/chat/completions", {"messages": USER, "stream": True}, 400, "stream", "not supported"),
+    ("stream_options without stream", "/chat/completions",
+     {"messages": USER, "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed when"),
     ("unknown model", "/chat/completions", {"messages": USER, "model": "no-such-model"}, 404, "model",
      "does not exist"),
     ("unknown session", "/chat/completions", {"messages": USER, "session_id": "zzz"}, 404, "session_id",
@@ -326,3 +328,54 @@ def test_a_strict_schema_with_a_keyword_no_pattern_enforces_is_refused(tokenizer
     store.engine.replies = ['<tool_call>{"name": "f", "arguments": {"n": 0}}</tool_call>']
     r = asyncio.run(store.chat(store.open(), {"messages": USER, "tools": tools, "tool_choice": "required"}))
     assert r["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def _streamed_and_not(base_url, store, body):
+    """The same request, streamed and not, each in a session of its own: (chunks, reply, the
+    two sessions' branches as tokens, logprobs and text)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    out = []
+    for stream in (True, False):
+        sid = store.open()
+        kw = dict(model="policy", extra_body={"session_id": sid}, **body)
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **kw)]
+        else:
+            reply = await client.chat.completions.create(**kw)
+        branches = [(list(b.trace.tokens), list(b.trace.logprobs), b.text) for b in store.close(sid).branches]
+        out.append(branches)
+    return chunks, reply, out
+
+
+def _joined(chunks, index):
+    """A choice's content and tool calls, put together from its chunks as a client does."""
+    parts = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == index]
+    content = "".join(d.content or "" for d in parts)
+    calls = [t for d in parts for t in d.tool_calls or []]
+    return content, calls
+
+
+def test_a_streamed_reply_is_the_reply_and_is_recorded_the_same(tokenizer):
+    engine = ScriptedEngine(tokenizer, [CALL, CALL, "46", "46"])
+    store = SessionStore(engine, tokenizer, max_context=512)
+    tools = [TOOL]
+
+    async def go():
+        server = ChatServer(store)
+        await server.start()
+        try:
+            a = await _streamed_and_not(server.base_url, store, dict(messages=USER, tools=tools))
+            b = await _streamed_and_not(server.base_url, store, dict(messages=USER))
+            return a, b
+        finally:
+            await server.stop()
+
+    (chunks, reply, (streamed, plain)), (chunks2, reply2, (streamed2, plain2)) = asyncio.run(go())
+    assert streamed == plain and streamed2 == plain2  # the sessions are the same
+    content, calls = _joined(chunks, 0)
+    assert calls[0].function.name == "calculator" == reply.choices[0].message.tool_calls[0].function.name
+    assert json.loads(calls[0].function.arguments) == {"expression": "12+34"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert _joined(chunks2, 0)[0] == reply2.choices[0].message.content == "46"
+    assert chunks2[-1].choices == [] and chunks2[-1].usage.completion_tokens == reply2.usage.completion_tokens

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
 from rlexp.sample import Sample
-from tests.test_server import _check_stitching, three_turns_with_a_tool_call
+from tests.test_server import _check_stitching, _joined, _streamed_and_not, three_turns_with_a_tool_call
 
 
 class RecordingEngine:
@@ -30,7 +30,10 @@ class RecordingEngine:
         return self.engine.version
 
     async def generate(self, token_ids, sampling):
-        gen = await self.engine.generate(token_ids, sampling)
+        return await self.generate_streaming(token_ids, sampling, None)
+
+    async def generate_streaming(self, token_ids, sampling, on_tokens):
+        gen = await self.engine.generate_streaming(token_ids, sampling, on_tokens)
         self.calls.append((list(token_ids), list(gen.token_ids)))
         return gen
 
@@ -160,7 +163,11 @@ def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, toke
             r = http.post(path, content=content, headers={"content-type": "application/json"})
             statuses[r.status_code] += 1
             assert r.status_code < 500, r.text
-            if r.status_code >= 400:
+            if r.headers["content-type"].startswith("text/event-stream"):  # stream=true
+                events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
+                assert events[-1] == "[DONE]", r.text
+                assert all("error" not in json.loads(e) for e in events[:-1]), r.text
+            elif r.status_code >= 400:
                 error = r.json()["error"]
                 assert error["message"] and error["type"] == "invalid_request_error", r.text
                 assert _snapshot(store) == before, "a rejected request changed a session"
@@ -309,3 +316,69 @@ def test_completions_n_and_logprobs(vllm_server):
     for c in r.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.model_extra["token_ids"])
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs) and 2 not in c.model_extra["token_ids"]
+
+
+# ---- streaming ------------------------------------------------------------------------------
+@pytest.mark.vllm
+def test_streamed_and_plain_replies_of_a_seeded_request_give_the_same_session(vllm_server):
+    store, url = vllm_server.store, vllm_server.server.base_url
+    seen = Counter()
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 2**31), n=st.integers(1, 3), max_tokens=st.integers(1, 24),
+           temperature=st.sampled_from([0.0, 0.7, 1.0]), content=st.sampled_from(["12+34=", "hi", "7*8="]))
+    def same(seed, n, max_tokens, temperature, content):
+        body = dict(messages=[{"role": "user", "content": content}], seed=seed, n=n, max_tokens=max_tokens,
+                    temperature=temperature, logit_bias={"2": -100})  # 2, end of turn: never, long replies
+        chunks, reply, (streamed, plain) = vllm_server.run(_streamed_and_not(url, store, body))
+        assert streamed == plain  # every branch: the same tokens, logprobs and text
+        for i, choice in enumerate(reply.choices):
+            assert _joined(chunks, i)[0] == choice.message.content
+            streamed_ids = [t for c in chunks if c.choices and c.choices[0].index == i
+                            for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+            assert streamed_ids == choice.model_extra["token_ids"]
+            seen["token chunks"] += sum(1 for c in chunks if c.choices and c.choices[0].index == i
+                                        and (c.choices[0].model_extra or {}).get("token_ids"))
+            seen["tokens"] += len(streamed_ids)
+            seen["replies"] += 1
+        assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+    same()
+    print(f"streaming: {dict(seen)}")
+    # replies came in several chunks as they were generated, not each in one at its end (an
+    # engine step's tokens come together; when the reader lags, several steps' do)
+    assert seen["token chunks"] > seen["replies"]
+
+
+@pytest.mark.vllm
+def test_a_client_that_disconnects_mid_stream_leaves_its_session_unrecorded(vllm_server):
+    store, url = vllm_server.store, vllm_server.server.base_url
+    sid = store.open()
+    body = {"model": "policy", "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 400,
+            "stream": True, "logit_bias": {"2": -100}, "session_id": sid}  # 2: end of turn, never
+
+    async def read_two_chunks_and_leave():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            async with http.stream("POST", "/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                got = 0
+                async for line in r.aiter_lines():
+                    got += line.startswith("data: ")
+                    if got == 2:
+                        break
+        for _ in range(200):  # the server notices the closed connection and cancels the reply
+            await asyncio.sleep(0.05)
+            if not busy.active:
+                break
+
+    busy = vllm_server.recorder.engine.busy
+    tokens_before = busy.tokens
+    vllm_server.run(read_two_chunks_and_leave())
+    assert busy.active == 0 and busy.tokens - tokens_before < 400  # the generation was cut short
+    session = store.get(sid)
+    assert session.branches == [] and session.calls == 0  # nothing of the cut reply was recorded
+    r = _client(vllm_server).chat.completions.create(  # and the session goes on as new
+        model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=4,
+        extra_body={"session_id": sid})
+    assert r.choices[0].model_extra["token_ids"] and len(store.get(sid).branches) == 1

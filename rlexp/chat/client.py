@@ -17,16 +17,18 @@ import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
-from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
 from rlexp.chat import structured
 from rlexp.chat.render import encode
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
+from rlexp.chat.streaming import ChunkStream, Emit
 from rlexp.chat.tool_prompt import ToolPrompt, resolve
 from rlexp.errors import SessionError
 from rlexp.protocols import RolloutEngine
@@ -104,8 +106,11 @@ class SessionStore:
         return Recording(self, sampling or self.engine.sampling)
 
     async def chat(self, session_id: str, request: dict[str, Any] | ChatRequest,
-                   default: SamplingConfig | None = None) -> dict[str, Any]:
-        """An OpenAI chat.completion dict for `request` (the JSON body's fields)."""
+                   default: SamplingConfig | None = None, emit: Emit | None = None) -> dict[str, Any]:
+        """An OpenAI chat.completion dict for `request` (the JSON body's fields); with `emit`,
+        also its chunks as they are made (`stream=true`, rlexp/chat/streaming.py). The session
+        records the reply once every choice is whole: a request cancelled before (a streaming
+        client that disconnected) leaves the session as it was."""
         if not isinstance(request, ChatRequest):
             request = parse(ChatRequest, request, self.model_name)
         session = self.get(session_id)
@@ -123,10 +128,13 @@ class SessionStore:
         sampling = dataclasses.replace(sampling, constraint=structured.constraint(request),
                                        top_logprobs=request.top_logprobs or 0)
         calls_allowed = bool(tools) and request.tool_choice != "none"
+        stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=True) if emit else None
+        token_by_token = not calls_allowed and not request.stops
+        gens = [await self._generate_choice(prompt.trace.tokens, _nth(sampling, i), i, stream, token_by_token)
+                for i in range(request.n or 1)]
         choices: list[dict[str, Any]] = []
-        for i in range(request.n or 1):
-            gen = _apply_stop(await self._generate(prompt.trace.tokens, _nth(sampling, i)), request.stops,
-                              self.tokenizer)
+        for i, gen in enumerate(gens):  # no await from here on: all choices are recorded, or none
+            gen = _apply_stop(gen, request.stops, self.tokenizer)
             session.record(prompt, gen, sampling.requested())
             text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             content, calls = parse_tool_calls(text) if calls_allowed else (text, [])
@@ -140,21 +148,43 @@ class SessionStore:
                 ids = ids[:-1]
             raw[_message_key(message)] = self.tokenizer.decode(ids, skip_special_tokens=False)
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
-            choices.append({
-                "index": i, "message": message, "finish_reason": finish, "token_ids": gen.token_ids,
-                "logprobs": {"content": self._token_logprobs(gen)},
-            })
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "token_ids": gen.token_ids, "logprobs": {"content": self._token_logprobs(gen)}})
+            if stream:
+                stream.end(i, choices[-1])
         completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        usage = {"prompt_tokens": len(prompt.trace.tokens), "completion_tokens": completion_tokens,
+                 "total_tokens": len(prompt.trace.tokens) + completion_tokens}
+        if stream and request.stream_options and request.stream_options.include_usage:
+            stream.usage(usage)
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
+            "id": stream.id if stream else f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion",
             "created": int(time.time()), "model": self.model_name, "choices": choices,
-            "prompt_token_ids": prompt.trace.tokens, "session_id": session_id,
-            "usage": {"prompt_tokens": len(prompt.trace.tokens), "completion_tokens": completion_tokens,
-                      "total_tokens": len(prompt.trace.tokens) + completion_tokens},
+            "prompt_token_ids": prompt.trace.tokens, "session_id": session_id, "usage": usage,
         }
 
-    async def complete(self, request: dict[str, Any] | CompletionRequest) -> dict[str, Any]:
-        """/v1/completions: a text prompt (or token ids) in, text out; not session-tracked."""
+    async def _generate_choice(self, token_ids: list[int], sampling: SamplingConfig, index: int,
+                               stream: ChunkStream | None, token_by_token: bool) -> Generation:
+        """One choice; streamed token by token when the reply's text is final as it comes
+        (`token_by_token`, a sampling that never restarts, no alternatives to report, an
+        engine that streams), else its chunks come when it is whole."""
+        if stream is None:
+            return await self._generate(token_ids, sampling)
+        stream.start(index)
+        streaming = getattr(self.engine, "generate_streaming", None)
+        if not (token_by_token and streaming and not sampling.depends_on_the_reply
+                and not sampling.top_logprobs):
+            return await self._generate(token_ids, sampling)
+
+        def on_tokens(ids: list[int], logprobs: list[float]) -> None:
+            stream.tokens(index, ids, self._token_logprobs(Generation(ids, logprobs, "", [])))
+
+        return await self._generate(token_ids, sampling, lambda: streaming(token_ids, sampling, on_tokens))
+
+    async def complete(self, request: dict[str, Any] | CompletionRequest, emit: Emit | None = None
+                       ) -> dict[str, Any]:
+        """/v1/completions: a text prompt (or token ids) in, text out; not session-tracked.
+        With `emit`, also its chunks as they are made (`stream=true`)."""
         request = request if isinstance(request, CompletionRequest) else \
             parse(CompletionRequest, request, self.model_name)
         if isinstance(request.prompt, str):
@@ -169,16 +199,26 @@ class SessionStore:
                                param="prompt")
         sampling = self._request_sampling(request, self.engine.sampling, len(ids))
         sampling = dataclasses.replace(sampling, top_logprobs=request.logprobs or 0)
+        stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=False) if emit else None
         choices = []
         for i in range(request.n or 1):
-            gen = _apply_stop(await self._generate(ids, _nth(sampling, i)), request.stops, self.tokenizer)
+            gen = await self._generate_choice(ids, _nth(sampling, i), i, stream,
+                                              not request.stops and request.logprobs is None)
+            gen = _apply_stop(gen, request.stops, self.tokenizer)
             text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             choices.append({"index": i, "text": text, "token_ids": gen.token_ids,
                             "finish_reason": "length" if gen.finish_reason == "length" else "stop",
                             "logprobs": None if request.logprobs is None else self._completion_logprobs(gen)})
-        return {"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+            if stream:
+                stream.end(i, choices[-1])
+        completion_tokens = sum(len(c["token_ids"]) for c in choices)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                 "total_tokens": len(ids) + completion_tokens}
+        if stream and request.stream_options and request.stream_options.include_usage:
+            stream.usage(usage)
+        return {"id": stream.id if stream else f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name, "prompt_token_ids": ids,
-                "choices": choices}
+                "choices": choices, "usage": usage}
 
     def _completion_logprobs(self, gen: Generation) -> dict[str, Any]:
         """The completions API's `logprobs`: tokens, their logprobs, alternatives, text offsets."""
@@ -199,9 +239,11 @@ class SessionStore:
                                   for a, alp in sorted(alts.items(), key=lambda kv: -kv[1])]}
                 for t, lp, alts in zip(gen.token_ids, gen.logprobs, top)]
 
-    async def _generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def _generate(self, token_ids: list[int], sampling: SamplingConfig,
+                        call: Callable[[], Awaitable[Generation]] | None = None) -> Generation:
+        """The engine's generation (or `call`'s), its own input errors as a 400."""
         try:
-            return await self.engine.generate(token_ids, sampling)
+            return await (call() if call else self.engine.generate(token_ids, sampling))
         except ValueError as e:  # the engine's own input checks (vLLM's VLLMValidationError)
             raise SessionError(f"the engine rejected the request: {e}") from e
 
@@ -286,14 +328,28 @@ class TrackedClient:
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create_chat))
         self.completions = SimpleNamespace(create=self._create_completion)
 
-    async def _create_chat(self, *, messages, model: str | None = None, extra_body=None,
-                           **kw) -> ChatCompletion:
+    async def _create_chat(self, *, messages, model: str | None = None, extra_body=None, **kw):
+        """A ChatCompletion; with stream=True, its chunks (ChatCompletionChunk) to iterate over
+        with `async for`, as openai's AsyncStream (here they come once the reply is whole)."""
         request = {"messages": messages, **kw, **(extra_body or {})}
         if model is not None:
             request["model"] = model
-        body = await self.store.chat(self.session_id, request, self.sampling)
+        chunks: list[dict[str, Any]] = []
+        body = await self.store.chat(self.session_id, request, self.sampling,
+                                     emit=chunks.append if request.get("stream") else None)
+        if request.get("stream"):
+            return _iterate([ChatCompletionChunk.model_validate(c) for c in chunks])
         return ChatCompletion.model_validate(body)
 
-    async def _create_completion(self, *, prompt, model: str | None = None, **kw) -> Completion:
+    async def _create_completion(self, *, prompt, model: str | None = None, **kw):
         request = {"prompt": prompt, **kw} | ({"model": model} if model is not None else {})
-        return Completion.model_validate(await self.store.complete(request))
+        chunks: list[dict[str, Any]] = []
+        body = await self.store.complete(request, emit=chunks.append if request.get("stream") else None)
+        if request.get("stream"):
+            return _iterate([Completion.model_validate(c) for c in chunks])
+        return Completion.model_validate(body)
+
+
+async def _iterate(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

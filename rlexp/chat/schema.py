@@ -116,6 +116,10 @@ Penalty = Annotated[float, Ge(-2), Le(2)]
 Bias = Annotated[float, Ge(-100), Le(100)]
 
 
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
 class _Sampling(_Model):
     model: str | None = None
     max_tokens: AtLeast1 | None = None
@@ -137,12 +141,14 @@ class _Sampling(_Model):
     prompt_cache_retention: Any = None
     prediction: Any = None
 
-    @field_validator("stream")
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stream_options")
     @classmethod
-    def _no_stream(cls, stream):
-        if stream:
-            raise ValueError("stream=true is not supported")
-        return stream
+    def _only_when_streaming(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when 'stream' is true")
+        return options
 
     @field_validator("logit_bias")
     @classmethod

@@ -19,11 +19,12 @@ import ipaddress
 import json
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlexp.chat.render import encode, render_chat
@@ -75,6 +76,38 @@ def _guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
         return _error(503, str(exc), "server_error")
 
 
+async def _event_stream(reply: Callable[[Callable[[dict], None]], Awaitable[Any]]) -> StreamingResponse:
+    """`reply(emit)` as server-sent events: `data: <chunk>` per chunk, then `data: [DONE]`.
+    An error before the first chunk is an ordinary error answer (4xx); after it, an `error`
+    event ends the stream. A client that disconnects cancels the reply: its session records
+    nothing of it."""
+    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+    task = asyncio.ensure_future(reply(queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    first = await queue.get()
+    if first is None:  # ended before any chunk: raises its error, if it had one
+        task.result()
+
+    async def events():
+        item = first
+        try:
+            while item is not None:
+                yield f"data: {json.dumps(item)}\n\n"
+                item = await queue.get()
+            error = task.exception()
+            if isinstance(error, (SessionError, EngineDead)):
+                body = {"error": {"message": str(error), "type": "invalid_request_error" if isinstance(
+                    error, SessionError) else "server_error", "param": None, "code": None}}
+                yield f"data: {json.dumps(body)}\n\n"
+            elif error is not None:
+                raise error
+            yield "data: [DONE]\n\n"
+        finally:
+            task.cancel()  # the client went away: stop generating
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="rlexp policy server")
     _guard(app, api_key, max_body_bytes)
@@ -107,13 +140,17 @@ def create_app(store, api_key: str | None = None, max_body_bytes: int = MAX_BODY
         if not sid:
             raise SessionError("no session_id: put it in the body (extra_body) or an X-Session-Id header",
                                param="session_id")
+        if body.stream:
+            return await _event_stream(lambda emit: store.chat(sid, body, emit=emit))
         # A ready JSONResponse skips FastAPI's per-field encoder (slow on token-level logprobs).
         return JSONResponse(await store.chat(sid, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return JSONResponse(await store.complete(parse(CompletionRequest, await body_of(request),
-                                                       store.model_name)))
+        body = parse(CompletionRequest, await body_of(request), store.model_name)
+        if body.stream:
+            return await _event_stream(lambda emit: store.complete(body, emit=emit))
+        return JSONResponse(await store.complete(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -48,6 +48,15 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
+def _report_new(completion, seen: int, on_tokens: Callable[[list[int], list[float]], None]) -> int:
+    """`on_tokens` with the tokens of `completion` past the first `seen`; how many it has now."""
+    ids = list(completion.token_ids[seen:])
+    steps = (completion.logprobs or [])[seen:]
+    if ids:
+        on_tokens(ids, [step[t].logprob for t, step in zip(ids, steps)])
+    return seen + len(ids)
+
+
 class VLLMEngine:
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
@@ -134,6 +143,12 @@ class VLLMEngine:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
         continues from the tokens it has under the new weights (partial rollout); a completion
         whose distribution depends on the reply so far (a grammar, penalties) restarts instead."""
+        return await self.generate_streaming(token_ids, sampling, None)
+
+    async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
+                                 on_tokens: Callable[[list[int], list[float]], None] | None) -> Generation:
+        """`generate`, calling `on_tokens(ids, logprobs)` with each engine step's new tokens as
+        they come (a restarted completion's tokens are reported again from its start)."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -145,7 +160,8 @@ class VLLMEngine:
             seed = sampling.seed if segment == 0 or sampling.seed is None else \
                 hash((sampling.seed, segment)) & 0x7FFFFFFF
             rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
-            new_ids, new_lps, new_top, finish, version = await self._request(list(token_ids) + ids, rest)
+            new_ids, new_lps, new_top, finish, version = await self._request(list(token_ids) + ids, rest,
+                                                                             on_tokens)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.depends_on_the_reply:
                 ids, logprobs, versions, top = [], [], [], []
@@ -181,12 +197,13 @@ class VLLMEngine:
             structured_outputs=constraint,
         )
 
-    async def _request(self, token_ids: list[int], sampling: SamplingConfig):
+    async def _request(self, token_ids: list[int], sampling: SamplingConfig,
+                       on_tokens: Callable[[list[int], list[float]], None] | None = None):
         params = self._params(sampling)
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
             await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
-        final, counted, version = None, 0, self.version
+        final, counted, version, reported = None, 0, self.version, 0
         self.busy.enter()
         try:
             with self._engine_alive():
@@ -197,6 +214,8 @@ class VLLMEngine:
                         # Read at the first output, not at submission: a request that reached the
                         # engine while it was paused runs after the update, on the new weights.
                         version = self.version
+                    if on_tokens is not None:  # outputs are cumulative (one object, updated)
+                        reported = _report_new(out.outputs[0], reported, on_tokens)
                     final = out
         finally:  # also on cancellation: the tokens were generated all the same
             self.busy.exit()
