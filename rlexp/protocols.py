@@ -55,6 +55,16 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
+class StreamingEngine(RolloutEngine, Protocol):
+    """An engine that can report a completion's tokens as they come (the server's
+    `stream=true`; rlexp/chat/streaming.py). Engines without it stream a reply whole."""
+
+    async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
+                                 on_tokens: Callable[[list[int], list[float]], None] | None) -> Generation:
+        """`generate`, calling `on_tokens(ids, logprobs)` with new tokens as they come."""
+        ...
+
+
 class Tool(Protocol):
     """A function the policy may call (rlexp/tools/): an OpenAI tool `spec`, and the call."""
 

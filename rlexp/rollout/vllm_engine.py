@@ -236,13 +236,18 @@ class VLLMEngine:
     @contextlib.contextmanager
     def _engine_alive(self):
         """vLLM's EngineDeadError (its engine process died: killed, out of memory, ...) as
-        rlexp's EngineDead, which stops the run instead of failing samples one by one."""
+        rlexp's EngineDead, which stops the run instead of failing samples one by one; a
+        request vLLM rejects (VLLMClientError: e.g. a JSON schema its grammar cannot take) as
+        a ValueError, the engine's input error."""
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
             yield
         except EngineDeadError as e:
             raise EngineDead(_DEAD) from e
+        except VLLMClientError as e:
+            raise ValueError(str(e)) from e
 
     async def _call(self, call: Awaitable[Any]) -> Any:
         """Await a call into the engine process (collective_rpc, pause, reset_prefix_cache...).
