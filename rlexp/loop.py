@@ -217,6 +217,8 @@ class RLLoop:
         log.info("building %-16s on cluster=%s", "rollout", self.cluster.name)
         self.engine = engine = self.cluster.rollout_engine(cfg.rollout, self.model_path, self.transport)
         judge = build_guarded(cfg, "judge", JudgeGuard)
+        if hasattr(judge.judge, "bind"):  # a model judge grading with the policy's engine
+            judge.judge.bind(engine, tokenizer)
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
         self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
                                         judge=judge, sampling=self.evaluator.sampling,

@@ -199,6 +199,7 @@ class Sample:
             "logprobs": [round(x, 6) for x in self.logprobs],
             "versions": self.versions,
             "turns": self.turns,
+            "judge": self.metadata.get("judge"),  # a model judge's prompt and reply
             "error": self.error,
             "text": decode(self.tokens),
         }
