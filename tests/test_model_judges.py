@@ -70,3 +70,18 @@ def test_reward_model_judge_scores_with_a_local_classifier(tiny_model_path, tmp_
     assert a.reward == pytest.approx(2.0 * a.reward_components["reward_model"])
     assert a.reward != b.reward  # the reply is what it scores
     assert 0 < asyncio.run(RewardModelJudge(str(tmp_path), sigmoid=True).score(_sample())).reward < 1
+
+
+def test_the_graders_calls_stay_out_of_the_training_sample(tokenizer):
+    from rlexp.agents.single_turn import SingleTurnAgent
+
+    engine = ScriptedEngine(tokenizer, ["46", "9"])  # the policy's reply, then the grader's
+    grader = LLMJudge()
+    grader.bind(engine, tokenizer)
+    agent = SingleTurnAgent(engine, tokenizer, WeightedJudge({"rule": MathExactJudge(), "grader": grader},
+                                                             correct_from="rule"))
+    s = asyncio.run(agent.rollout(_sample(response="")))
+    (policy_prompt, policy_reply), (grader_prompt, _) = engine.calls
+    assert s.tokens == policy_prompt + policy_reply  # the sample: the policy's call alone
+    assert sum(s.loss_mask) == len(policy_reply) and grader_prompt != policy_prompt
+    assert s.reward == pytest.approx(1.0 + 0.9) and "Reference answer: 46" in s.metadata["judge"]["prompt"]

@@ -16,7 +16,7 @@ from typing import Any
 from rlexp.chat.render import render_prompt
 from rlexp.constraints import AtLeast1, NonNegative
 from rlexp.protocols import Judge, RolloutEngine
-from rlexp.sample import Sample, SamplingConfig
+from rlexp.sample import Constraint, Sample, SamplingConfig
 
 DEFAULT_TEMPLATE = ("Grade the answer to the question from 0 (wrong) to 10 (right). Reply with the grade "
                     "only.\nQuestion: {question}\nReference answer: {answer}\nAnswer: {response}\nGrade:")
@@ -33,17 +33,20 @@ class LLMJudge:
     grader's reply to `template` (filled with {question}, {answer}: the reference, and
     {response}), clipped to [min_score, max_score]. The grader: the policy's own engine
     (`base_url` null; the run binds it), or any OpenAI-compatible endpoint (`base_url`,
-    `model`, `api_key`). A reply with no number raises: the guard fails the sample and the
-    failure is counted."""
+    `model`, `api_key`). On the policy's engine the reply is constrained to `reply_regex`
+    (guided decoding: a grade and nothing else; null: free text). A reply with no number
+    raises: the guard fails the sample and the failure is counted."""
 
     def __init__(self, template: str = DEFAULT_TEMPLATE, base_url: str | None = None, model: str = "policy",
                  api_key: str | None = None, min_score: float = 0.0, max_score: float = 10.0,
-                 weight: float = 1.0, max_tokens: AtLeast1 = 8, temperature: NonNegative = 0.0):
+                 weight: float = 1.0, max_tokens: AtLeast1 = 8, temperature: NonNegative = 0.0,
+                 reply_regex: str | None = r"[0-9]+(\.[0-9])?"):
         if max_score <= min_score:
             raise ValueError(f"max_score={max_score} must be > min_score={min_score}")
         self.template, self.base_url, self.model, self.api_key = template, base_url, model, api_key
         self.min_score, self.max_score, self.weight = min_score, max_score, weight
-        self.sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=0)
+        self.sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens, seed=0,
+                                       constraint=Constraint("regex", reply_regex) if reply_regex else None)
         self.engine: RolloutEngine | None = None
         self.tokenizer: Any = None
         self._client: Any = None
@@ -62,7 +65,7 @@ class LLMJudge:
                 self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "unused")
             r = await self._client.chat.completions.create(
                 model=self.model, messages=messages, max_tokens=self.sampling.max_tokens,
-                temperature=self.sampling.temperature)
+                temperature=self.sampling.temperature)  # an endpoint's reply is not constrained
             return r.choices[0].message.content or "", r.usage.completion_tokens if r.usage else 0
         if self.engine is None:
             raise RuntimeError("LLMJudge has no grader: give judge.base_url, or run it in rlexp's loop "
