@@ -165,7 +165,8 @@ def log_mlflow_trace(s, step: int) -> None:
                 if "sampling" in turn:  # what the request constrained or changed (a server's reply)
                     span.set_attributes({"rlexp.sampling": json.dumps(turn["sampling"])})
         root.set_outputs({"response": s.response_text, "reward": s.reward,
-                          "reward_components": s.reward_components})
+                          "reward_components": s.reward_components}
+                         | ({"judge": s.metadata["judge"]} if "judge" in s.metadata else {}))  # a model judge
 
 
 def continue_run(client: MlflowClient, source_id: str, step: int) -> tuple[str, int]:
