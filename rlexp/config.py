@@ -113,6 +113,7 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
             raise ConfigError(str(e)) from None
     _check_scheduler(cfg)
     _check_cluster(cfg)
+    _check_graders(cfg)
 
 
 def _check_cluster(cfg: DictConfig) -> None:
@@ -227,6 +228,20 @@ def check_value(where: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
     elif annotation is str and not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {value!r} ({type(value).__name__})")
+
+
+def _check_graders(cfg: DictConfig) -> None:
+    """A model judge grading on the policy's engine with a constrained reply needs vLLM."""
+    if "hf_engine" not in str(OmegaConf.select(cfg, "rollout._target_")):
+        return
+    parts = cfg.judge.get("judges") or {}
+    nodes = [("judge", cfg.judge)] + [(f"judge.judges.{k}", v) for k, v in parts.items()]
+    for where, node in nodes:
+        if str(node.get("_target_", "")).endswith("LLMJudge") and node.get("base_url") is None \
+                and node.get("reply_regex") is not None:
+            raise ConfigError(f"{where} grades on the policy's engine with its reply constrained "
+                              f"({where}.reply_regex), which rollout=hf cannot do: use rollout=vllm, "
+                              f"{where}.reply_regex=null, or {where}.base_url")
 
 
 def _check_scheduler(cfg: DictConfig) -> None:

@@ -103,6 +103,7 @@ BAD_OVERRIDES = [
     ("max_failure_fraction=1.5", "max_failure_fraction must be <= 1"),
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
     ("loop=lowlevel", "loop must be one of fit, low_level; got 'lowlevel'"),
+    ("judge=llm rollout=hf", "judge.judges.grader grades on the policy's engine with its reply constrained"),
     ("loop=low_level cluster=ray trainer.workers=2", "loop=low_level calls the trainer in this process: it "
      "needs trainer.workers=1, got 2"),
 ]
