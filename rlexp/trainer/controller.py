@@ -36,10 +36,9 @@ from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip, TokenInputs
 from rlexp.constraints import AtLeast0, AtLeast1, Dtype, Positive
 from rlexp.sample import Sample, Status
-from rlexp.trainer import distributed
+from rlexp.trainer import distributed, fit_metrics
 from rlexp.trainer.critic import Critic, critic_report
 from rlexp.trainer.fit_batch import FitBatch, Piece
-from rlexp.trainer.fit_metrics import add, add_maxima, add_terms, offpolicy_report, offpolicy_sums
 from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
 from rlexp.trainer.policy import build_policy
 from rlexp.trainer.schedule import LrSchedule, lr_factor
@@ -358,8 +357,8 @@ class TrainController:
                 part |= {f"critic/{k}": v for k, v in self.critic.train_minibatch(
                     tb, mine, totals, values, returns, self.objective.aggregation).items()}
             for k, v in part.items():
-                add(sums, k, v)
-        out = self._reduce(sums, maxes, grad_norm_sum, n_mb)
+                fit_metrics.add(sums, k, v)
+        out = fit_metrics.reduce_metrics(sums, maxes, grad_norm_sum, n_mb)
         out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
         out["train/pad_frac"] = tb.pad_frac(forwarded)
         out["train/skipped_step"] = float(no_signal or frozen)
@@ -368,7 +367,7 @@ class TrainController:
             out |= critic_report(values, returns, mask)
         per_sample = (adv.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         out["train/advantage_abs_mean"] = per_sample.sum().item() / len(fb.samples)
-        return offpolicy_report(out, levels)
+        return fit_metrics.offpolicy_report(out, levels)
 
     def _minibatch(self, tb: TokenBatch, mine: list[Piece], totals: Totals, logprobs, levels,
                    maxes: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
@@ -383,23 +382,12 @@ class TrainController:
             x = TokenInputs(logp, old[idx_d, cols], behav[idx_d, cols], adv[idx_d, cols], mask)
             loss_tok, terms = self.objective.token_loss(x, ent, ref[idx_d, cols] if ref is not None else None)
             self.objective.aggregate(loss_tok, mask, totals).backward()
-            add_maxima(maxes, terms, mask)
+            fit_metrics.add_maxima(maxes, terms, mask)
             # Before the first optimizer step the trainer holds the rollout policy, so this is
             # the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if first:
                 terms["mismatch_kl"] = kl_estimate(logp, x.old_logp, "k3")
                 stale = tb.staleness[idx, cols].to(dev)
-                offpolicy_sums(part, logp.detach(), x.behav_logp, stale, mask, levels)
-            add_terms(part, terms, mask, totals.tokens, totals.seqs)
+                fit_metrics.offpolicy_sums(part, logp.detach(), x.behav_logp, stale, mask, levels)
+            fit_metrics.add_terms(part, terms, mask, totals.tokens, totals.seqs)
         return part
-
-    def _reduce(self, sums, maxes, grad_norm_sum, n_mb) -> dict[str, float]:
-        """Means over minibatches, summed (maxima: maxed) over ranks, read in one transfer."""
-        once = ("offpolicy", "mismatch_kl")  # measured in the first minibatch only
-        means = {(k if k.startswith("critic/") else f"train/{k}"): v / (1 if k.startswith(once) else n_mb)
-                 for k, v in sums.items()}
-        summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")
-        maxed = distributed.all_reduce_(torch.stack(list(maxes.values())), "max")
-        names = list(means) + [f"train/{k}" for k in maxes] + ["train/grad_norm"]
-        values = torch.cat([summed, maxed, (grad_norm_sum / n_mb)[None]]).tolist()  # the one host transfer
-        return dict(zip(names, values))

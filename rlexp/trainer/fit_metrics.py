@@ -6,6 +6,7 @@ import torch
 
 from rlexp.algorithms.kl import kl_estimate
 from rlexp.algorithms.ratios import clamped_exp
+from rlexp.trainer import distributed
 
 
 def add(acc: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
@@ -53,3 +54,15 @@ def offpolicy_report(out: dict[str, float], levels: list[int]) -> dict[str, floa
             out[f"offpolicy/ratio_mean/staleness_{k}"] = ratio_sum / n
             out[f"offpolicy/mismatch_kl/staleness_{k}"] = kl_sum / n
     return out
+
+
+def reduce_metrics(sums, maxes, grad_norm_sum, n_mb) -> dict[str, float]:
+    """Means over minibatches, summed (maxima: maxed) over ranks, read in one transfer."""
+    once = ("offpolicy", "mismatch_kl")  # measured in the first minibatch only
+    means = {(k if k.startswith("critic/") else f"train/{k}"): v / (1 if k.startswith(once) else n_mb)
+             for k, v in sums.items()}
+    summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")
+    maxed = distributed.all_reduce_(torch.stack(list(maxes.values())), "max")
+    names = list(means) + [f"train/{k}" for k in maxes] + ["train/grad_norm"]
+    values = torch.cat([summed, maxed, (grad_norm_sum / n_mb)[None]]).tolist()  # the one host transfer
+    return dict(zip(names, values))
