@@ -12,7 +12,7 @@ from rlexp.sample import Generation, SamplingConfig
 
 class ScriptedEngine:
     """Replies with the next scripted text (tokenized), logprob -0.5 per token; records
-    every prompt it was given and every token list it returned."""
+    every prompt it was given, the sampling asked, and every token list it returned."""
 
     def __init__(self, tokenizer, replies: list[str], max_model_len: int = 512):
         self.tokenizer = tokenizer
@@ -22,8 +22,10 @@ class ScriptedEngine:
         self.version = 0
         self.busy = BusyMeter()
         self.calls: list[tuple[list[int], list[int]]] = []
+        self.samplings: list[SamplingConfig] = []  # what each call was asked
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+        self.samplings.append(sampling)
         text = self.replies.pop(0) if self.replies else "0"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         ids = ids[: sampling.max_tokens]

@@ -118,8 +118,16 @@ def requests(draw):
     """(path, JSON body or raw bytes): whole random bodies, and valid requests with one field
     replaced by a random value or random messages."""
     path = draw(st.sampled_from(["/chat/completions"] * 4 + ["/completions", "/../tokenize"]))
-    kind = draw(st.sampled_from(["random", "field", "number", "number", "messages", "bytes", "structured"]))
+    kind = draw(st.sampled_from(["random", "field", "number", "number", "messages", "bytes", "structured",
+                                 "stream", "stream"]))
     base = dict(VALID_COMPLETION if path == "/completions" else VALID_CHAT)
+    if kind == "stream":  # the same kinds of request, streamed (stream_options near-valid too)
+        options = st.sampled_from([{"include_usage": True}, {"include_usage": False}, {}]) | JSON
+        base |= {"stream": True} | draw(st.sampled_from([{}]) | st.builds(lambda o: {"stream_options": o},
+                                                                           options))
+        kind = draw(st.sampled_from(["field", "number", "structured", "valid"]))
+        if kind == "valid":
+            return path, base
     if kind == "random":
         return path, draw(JSON)
     if kind == "bytes":
@@ -146,7 +154,7 @@ def _snapshot(store):
 @pytest.mark.vllm
 def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, tokenizer):
     store, base_url = vllm_server.store, vllm_server.server.base_url
-    statuses: Counter[int] = Counter()
+    statuses: Counter[int | str] = Counter()
     with httpx.Client(base_url=base_url, timeout=120) as http:
         sid = http.post("/sessions").json()["session_id"]
 
@@ -166,7 +174,11 @@ def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, toke
             if r.headers["content-type"].startswith("text/event-stream"):  # stream=true
                 events = [line.removeprefix("data: ") for line in r.text.split("\n\n") if line]
                 assert events[-1] == "[DONE]", r.text
-                assert all("error" not in json.loads(e) for e in events[:-1]), r.text
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert chunks and all("error" not in c for c in chunks), r.text
+                statuses["streamed"] += 1
+                if (body.get("stream_options") or {}).get("include_usage") is True:
+                    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
             elif r.status_code >= 400:
                 error = r.json()["error"]
                 assert error["message"] and error["type"] == "invalid_request_error", r.text
@@ -178,8 +190,10 @@ def test_random_requests_never_get_a_5xx_nor_corrupt_a_session(vllm_server, toke
                     assert all(t["logprob"] <= 0 for t in choice["logprobs"]["content"])
 
         one()
-        print(f"random requests: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+        counts = dict(sorted(statuses.items(), key=str))
+        print(f"random requests: {sum(statuses.values()) - statuses['streamed']} bodies, statuses {counts}")
         assert statuses[200] >= 20 and statuses[400] >= 100  # both valid and invalid bodies were tried
+        assert statuses["streamed"] >= 20  # and streamed replies
         assert http.get(base_url.removesuffix("/v1") + "/health").json()["status"] == "ok"
 
         # The fuzzed session still stitches: a two-turn chat extends its own first turn.
@@ -317,6 +331,23 @@ def test_completions_n_and_logprobs(vllm_server):
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.model_extra["token_ids"])
         assert all(len(top) <= 2 for top in c.logprobs.top_logprobs) and 2 not in c.model_extra["token_ids"]
 
+
+
+@pytest.mark.vllm
+def test_a_streamed_completion_is_the_plain_completion(vllm_server):
+    """/v1/completions, streamed and not, the same seeded request: the text chunks join to the
+    plain reply's text, their token ids to its token ids, and the usage chunk counts them."""
+    client = _client(vllm_server)
+    body = dict(model="policy", prompt="12+34=", max_tokens=16, seed=5, temperature=1.0,
+                logit_bias={"2": -100})  # 2, end of turn: never, 16 tokens
+    plain = client.completions.create(**body).choices[0]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == plain.text
+    ids = [t for p in parts for t in (p.model_extra or {}).get("token_ids", [])]
+    assert ids == plain.model_extra["token_ids"] and len(ids) == 16
+    assert sum(1 for p in parts if (p.model_extra or {}).get("token_ids")) > 1  # as generated, not at the end
+    assert parts[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
 
 # ---- streaming ------------------------------------------------------------------------------
 @pytest.mark.vllm

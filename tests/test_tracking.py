@@ -100,3 +100,28 @@ def test_resuming_again_from_the_same_checkpoint_drops_the_first_copy(tmp_path):
     assert state["traced"] == [1, 2, 3, 4, 5]
     assert sorted(int(t.info.tags["rlexp.step"]) for t in client.search_traces(locations=[exp])) == \
         [1, 2, 3, 4, 5]  # the first copy's traces of steps 4 and 5 were deleted with it
+
+
+def test_a_constrained_turn_and_a_model_judges_call_are_in_the_trace_file_and_the_mlflow_trace(tmp_path):
+    """What a request asked of the sampling (a server's reply) and what a model judge was
+    asked and answered reach both the step's JSONL line and the sampled MLflow trace."""
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    sampling = {"response_format": {"type": "json_object"}, "top_logprobs": 2}
+    s = _sample(1)
+    s.trace.turns[0]["sampling"] = sampling
+    s.metadata["judge"] = {"prompt": "Grade: 2=", "reply": "Score: 7"}
+    tracker = _tracker(uri)
+    tracker.start(OmegaConf.create({"seed": 0}))
+    tracker.log_samples([s], 1, decode=lambda ids: "")
+    tracker.end()
+    run = _active(client)
+    line = json.loads(open(client.download_artifacts(run.info.run_id, "traces/step_00001.jsonl",
+                                                     str(tmp_path))).read())
+    assert line["turns"][0]["sampling"] == sampling and line["judge"]["reply"] == "Score: 7"
+    (trace,) = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id)
+    turn = next(sp for sp in trace.data.spans if sp.name.startswith("turn 0"))
+    recorded = turn.attributes["rlexp.sampling"]  # a JSON string, which MLflow may decode on reading
+    assert (json.loads(recorded) if isinstance(recorded, str) else recorded) == sampling
+    root = next(sp for sp in trace.data.spans if sp.parent_id is None)
+    assert root.outputs["judge"] == {"prompt": "Grade: 2=", "reply": "Score: 7"}
