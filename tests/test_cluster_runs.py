@@ -1,8 +1,8 @@
 """Whole runs with cluster=ray (a local Ray, two vLLM replicas of the tiny model, a trainer
 group of two FSDP2 ranks) against cluster=local: the same training, per-replica and per-rank
-metrics in MLflow; a multi-turn async run whose trainer worker is SIGKILLed (the run stops
-with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
-behind), resumed with two: every step logged once."""
+metrics in MLflow; a multi-turn async PPO run whose trainer worker is SIGKILLed (the run
+stops with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
+behind), resumed with two: every step logged once, the critic's too."""
 
 import contextlib
 import os
@@ -141,7 +141,9 @@ def _watch_descendants(proc, path, seen: dict) -> None:
 def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_path, models):
     store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
     ckpt = run_dir / "checkpoints"
-    cmd = _cmd(store, run_dir, models, "agent=multiturn", "judge=multiturn", "scheduler=async",
+    # PPO: the critic is sharded in the Ray trainer group like the policy, and its checkpoint
+    # resumes on one worker (the driver), then on two again
+    cmd = _cmd(store, run_dir, models, "agent=multiturn", "judge=multiturn", "scheduler=async", "recipe=ppo",
                "trainer.total_steps=4", "checkpoint.every_n_steps=1", "cluster=ray", "trainer.workers=2")
     # 1. a trainer rank dies: the run stops (exit 3) with the resume hint
     killed: list[int] = []
@@ -185,6 +187,8 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
     client, run = _run(store)
     assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "2"
     assert _steps(client, run, "train/loss") == [1, 2, 3, 4]
+    assert _steps(client, run, "critic/vf_loss") == [1, 2, 3, 4]
+    assert run.data.params["algorithm.recipe"] == "ppo"
     assert _steps(client, run, "memory/rank_1/peak_mb") == [1, 3, 4]  # step 2 trained in the driver
     assert sum(_history(client, run, "replica/0/requests")) > 0
     assert log.read_text().count("ray: started a local Ray") == 3

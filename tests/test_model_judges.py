@@ -85,3 +85,42 @@ def test_the_graders_calls_stay_out_of_the_training_sample(tokenizer):
     assert s.tokens == policy_prompt + policy_reply  # the sample: the policy's call alone
     assert sum(s.loss_mask) == len(policy_reply) and grader_prompt != policy_prompt
     assert s.reward == pytest.approx(1.0 + 0.9) and "Reference answer: 46" in s.metadata["judge"]["prompt"]
+
+
+def test_an_endpoint_by_url_grades_through_the_openai_package(tokenizer):
+    """`base_url`: the grader is any OpenAI-compatible endpoint. A minimal one here (FastAPI
+    on a free port) records what it was asked and answers a grade; the judge sends the filled
+    template with its sampling, and scores the reply."""
+    import uvicorn
+    from fastapi import FastAPI, Request
+
+    asked: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        asked.append(await request.json())
+        return {"id": "c", "object": "chat.completion", "created": 0, "model": "grader",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "Grade: 6"}}],
+                "usage": {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}}
+
+    async def go():
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            judge = LLMJudge(base_url=f"http://127.0.0.1:{port}/v1", model="grader", max_tokens=5)
+            return await judge.score(_sample())
+        finally:
+            server.should_exit = True
+            await task
+
+    s = asyncio.run(go())
+    (body,) = asked
+    assert body["model"] == "grader" and body["max_tokens"] == 5 and body["temperature"] == 0.0
+    assert "Reference answer: 46" in body["messages"][0]["content"]
+    assert s.reward == pytest.approx(0.6) and s.metadata["judge"]["reply"] == "Grade: 6"
+    assert s.metadata["metrics"]["judge/tokens"] == 3.0
