@@ -24,7 +24,8 @@ from tests.fakes import ScriptedEngine
 # and tokenizer, tied embeddings
 BUILDS: dict[str, dict] = {
     "llama": {"family": "llama"}, "qwen2": {"family": "qwen2"}, "qwen3": {"family": "qwen3"},
-    "smollm2": {"family": "llama", "chat_template": "smollm2", "tie_word_embeddings": True}}
+    "smollm2": {"family": "llama", "chat_template": "smollm2", "tie_word_embeddings": True},
+    "qwen3_moe": {"family": "qwen3_moe"}}
 TEMPLATE = {name: kw.get("chat_template") or FAMILIES[kw["family"]].template for name, kw in BUILDS.items()}
 TEMPERATURE = 0.7
 
@@ -157,7 +158,10 @@ def test_model_is_the_family_architecture_and_loads_in_transformers(arch_paths, 
     assert gen["eos_token_id"] == [tok.convert_tokens_to_ids(t) for t in layout.stop]
     model = AutoModelForCausalLM.from_pretrained(path)
     names = set(model.state_dict())
-    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name == "qwen3")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (name in ("qwen3", "qwen3_moe"))
+    assert ("model.layers.0.mlp.gate.weight" in names) == (name == "qwen3_moe")  # the router
+    if name == "qwen3_moe":
+        assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == (name == "qwen2")
     ids = torch.tensor([render_prompt(tok, CHAT[1:2])])
     assert model(input_ids=ids).logits.shape == (1, ids.shape[1], config.vocab_size)

@@ -32,7 +32,7 @@ class Served:
         return self.loop.run_until_complete(coro)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
 def served(request, arch_paths):
     from rlexp.rollout.vllm_engine import VLLMEngine
 

@@ -116,6 +116,7 @@ class Family:
     max_position_embeddings: int
     tie_word_embeddings: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    moe: bool = False  # a mixture of experts: num_experts, experts_per_token apply
 
 
 FAMILIES: dict[str, Family] = {
@@ -130,7 +131,15 @@ FAMILIES: dict[str, Family] = {
     # Qwen3 (0.6B's layout): q_norm / k_norm, explicit head_dim, no qkv bias, tied embeddings.
     "qwen3": Family("Qwen3Config", "qwen3", {"rope_type": "default", "rope_theta": 1000000.0},
                     1e-6, 40960, True, {"attention_bias": False, "use_sliding_window": False}),
+    # Qwen3-MoE (30B-A3B's layout): Qwen3's attention, every MLP a mixture of experts with
+    # softmax top-k routing, the top-k weights renormalised, untied embeddings.
+    "qwen3_moe": Family("Qwen3MoeConfig", "qwen3", {"rope_type": "default", "rope_theta": 1000000.0},
+                        1e-6, 40960, False, {"attention_bias": False, "use_sliding_window": False,
+                                             "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                             "norm_topk_prob": True, "router_aux_loss_coef": 0.001},
+                        moe=True),
 }
+MOE_DEFAULTS = {"num_experts": 8, "experts_per_token": 2}
 
 
 def template_text(name: str) -> str:
@@ -154,6 +163,8 @@ def build_arch_model(
     bpe_vocab_size: int = 4096,
     vocab_size: int | None = None,
     tie_word_embeddings: bool | None = None,
+    num_experts: int | None = None,
+    experts_per_token: int | None = None,
 ) -> str:
     """Return the path of the built model directory, building it on first use.
 
@@ -161,7 +172,9 @@ def build_arch_model(
     tokenizer's special tokens follow it. `bpe_vocab_size`: bytes + merges (4096 = 256 byte
     tokens + 3840 merges, at most: training stops when no pair occurs twice). `vocab_size`:
     the model's embedding rows, at least the tokenizer's size (null: the tokenizer's, padded
-    to a multiple of 64). `tie_word_embeddings`: null = as the family's published models."""
+    to a multiple of 64). `tie_word_embeddings`: null = as the family's published models.
+    `num_experts`, `experts_per_token`: an MoE family's (null: 8 and 2; `intermediate_size`
+    is then each expert's, null: hidden_size)."""
     if family not in FAMILIES:
         raise ValueError(f"model.family={family!r}: choose from {sorted(FAMILIES)}")
     fam = FAMILIES[family]
@@ -174,7 +187,18 @@ def build_arch_model(
         raise ValueError(f"model: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if bpe_vocab_size < 512:
         raise ValueError(f"model.bpe_vocab_size={bpe_vocab_size}: at least 512 (256 byte tokens + merges)")
-    args = {k: v for k, v in locals().items() if k not in ("cache_dir", "fam")}
+    moe = {"num_experts": num_experts, "experts_per_token": experts_per_token}
+    if fam.moe:
+        moe = {k: v if v is not None else MOE_DEFAULTS[k] for k, v in moe.items()}
+        if not 1 <= moe["experts_per_token"] <= moe["num_experts"]:
+            raise ValueError(f"model: experts_per_token={moe['experts_per_token']} must be in "
+                             f"1..num_experts={moe['num_experts']}")
+    elif any(v is not None for v in moe.values()):
+        raise ValueError(f"model.family={family!r} is not a mixture of experts: num_experts and "
+                         "experts_per_token apply to qwen3_moe")
+    # the cache key: a dense family's holds no MoE arguments
+    args = {k: v for k, v in locals().items() if k not in ("cache_dir", "fam", "moe", *moe)} | (
+        moe if fam.moe else {})
     return cached_build(f"{family}-{chat_template}", args, FORMAT_VERSION, cache_dir,
                         lambda out: _build(out, **args))
 
@@ -213,7 +237,8 @@ def cached_build(prefix: str, args: dict[str, Any], version: int, cache_dir: str
 
 def _build(out: Path, family: str, seed: int, chat_template: str, hidden_size: int, num_layers: int,
            num_heads: int, num_kv_heads: int, intermediate_size: int | None, bpe_vocab_size: int,
-           vocab_size: int | None, tie_word_embeddings: bool | None) -> None:
+           vocab_size: int | None, tie_word_embeddings: bool | None, num_experts: int | None = None,
+           experts_per_token: int | None = None) -> None:
     import torch  # here, not at the top: a cached model is found without importing torch
     import transformers
 
@@ -242,6 +267,8 @@ def _build(out: Path, family: str, seed: int, chat_template: str, hidden_size: i
         pad_token_id=ids(layout.pad) if layout.pad else None,
         dtype="float32",
         **fam.extra,
+        **({"num_experts": num_experts, "num_experts_per_tok": experts_per_token,
+            "moe_intermediate_size": intermediate_size or hidden_size} if fam.moe else {}),
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

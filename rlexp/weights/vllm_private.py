@@ -11,7 +11,12 @@ when an upgrade moves one (`PLACES`: module, attribute, what rlexp relies on).
   counts every tensor of a module as a weight to load; the rotary embedding's cos/sin tables
   are computed from the config and are in no checkpoint, so at each sync it logged
   "RotaryEmbedding: Failed to load weights" (any model with rope) and put the unchanged table
-  back. vLLM keeps its own never-loaded names in module-level sets; these are added to them."""
+  back. vLLM keeps its own never-loaded names in module-level sets; these are added to them.
+- The CPU experts' repacking after a weight update: an MoE layer's unquantized method prepacks
+  its experts for the CPU kernel (`moe_kernel.fused_experts.process_weights_after_loading`)
+  at load, but on a reload it copies the new weights into the packed storage and skips the
+  repack, so the engine computes with scrambled experts (logprobs off by ~0.2-1 after one
+  sync). rlexp repacks each CPU MoE layer after its reload."""
 
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ PLACES = [
      "a set of tensor names the layer-wise reload never moves to the meta device"),
     ("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding",
      "its derived tables are the buffers named in DERIVED_BUFFERS"),
+    ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
+     "a reload skips `moe_kernel.fused_experts.process_weights_after_loading(layer)`, the CPU repack"),
 ]
 
 # The rotary embeddings' cos/sin tables (buffers vLLM computes from the config).
@@ -61,3 +68,17 @@ def set_idle_spin(seconds: float) -> int:
     for r in readers:
         r.busy_loop_s = seconds
     return len(readers)
+
+
+def repack_moe_experts(model) -> int:
+    """Redo the CPU experts' prepacking of every MoE layer of `model` (vLLM's, in its worker)
+    after a weight reload; returns how many layers it repacked (0: a dense model, or not on CPU)."""
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        weight = getattr(module, "w13_weight", None)
+        if experts is not None and weight is not None and weight.device.type == "cpu":
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked

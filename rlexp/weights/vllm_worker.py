@@ -15,6 +15,7 @@ class SharedWeightLoader:
         reload path (its name mapping, fused layers and CPU weight repacking), without
         parsing or copying the file first."""
         self.reload_weights(weights_iterator=read_shared(Path(directory) / WEIGHTS_FILE))  # type: ignore[attr-defined]
+        vllm_private.repack_moe_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
 
     def set_idle_spin(self, seconds: float) -> int:
         """How long the worker busy-polls after its last message (vllm_private.py); returns
