@@ -70,6 +70,9 @@ class Generation:
     finish_reason: str  # "stop" | "length" | "abort"
     versions: list[int]  # per token: policy version of the engine weights that produced it
     top_logprobs: list[dict[int, float]] | None = None  # per token, when asked: the likeliest ids
+    # MoE, with rollout.routing_capture: the experts each layer chose at each position the
+    # engine computed, a numpy integer array [prompt + generated - 1, layers, k]
+    routed_experts: Any = None
 
     @property
     def version(self) -> int:

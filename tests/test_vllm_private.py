@@ -47,11 +47,20 @@ def test_set_idle_spin_finds_a_live_queue_reader_and_sets_its_busy_poll():
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     context = zmq.Context()
+    conditions = []
     try:
+        # the writer binds the address the reader subscribes to, as in vLLM (a reader connected
+        # to an address nobody binds can make libzmq abort when the context is destroyed)
+        writer = SpinCondition(is_reader=False, context=context, notify_address="inproc://rlexp-spin-test")
+        conditions.append(writer)
         reader = SpinCondition(is_reader=True, context=context, notify_address="inproc://rlexp-spin-test")
-        writer = SpinCondition(is_reader=False, context=context, notify_address="inproc://rlexp-spin-test-w")
+        conditions.append(reader)
         assert reader.busy_loop_s == 1  # vLLM's default, which rlexp shortens
         assert vllm_private.set_idle_spin(0.05) >= 1
         assert reader.busy_loop_s == 0.05 and writer.busy_loop_s == 0  # readers only
     finally:
-        context.destroy(linger=0)
+        for c in conditions:  # each socket closed here, in the thread that made it
+            for sock in vars(c).values():
+                if isinstance(sock, zmq.Socket):
+                    sock.close(linger=0)
+        context.term()

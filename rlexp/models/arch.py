@@ -187,18 +187,19 @@ def build_arch_model(
         raise ValueError(f"model: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if bpe_vocab_size < 512:
         raise ValueError(f"model.bpe_vocab_size={bpe_vocab_size}: at least 512 (256 byte tokens + merges)")
-    moe = {"num_experts": num_experts, "experts_per_token": experts_per_token}
+    moe: dict[str, int | None] = {"num_experts": num_experts, "experts_per_token": experts_per_token}
     if fam.moe:
-        moe = {k: v if v is not None else MOE_DEFAULTS[k] for k, v in moe.items()}
-        if not 1 <= moe["experts_per_token"] <= moe["num_experts"]:
-            raise ValueError(f"model: experts_per_token={moe['experts_per_token']} must be in "
-                             f"1..num_experts={moe['num_experts']}")
+        experts = num_experts or MOE_DEFAULTS["num_experts"]
+        top_k = experts_per_token or MOE_DEFAULTS["experts_per_token"]
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"model: experts_per_token={top_k} must be in 1..num_experts={experts}")
+        moe = {"num_experts": experts, "experts_per_token": top_k}
     elif any(v is not None for v in moe.values()):
         raise ValueError(f"model.family={family!r} is not a mixture of experts: num_experts and "
                          "experts_per_token apply to qwen3_moe")
     # the cache key: a dense family's holds no MoE arguments
-    args = {k: v for k, v in locals().items() if k not in ("cache_dir", "fam", "moe", *moe)} | (
-        moe if fam.moe else {})
+    args = {k: v for k, v in locals().items()
+            if k not in ("cache_dir", "fam", "moe", "experts", "top_k", *moe)} | (moe if fam.moe else {})
     return cached_build(f"{family}-{chat_template}", args, FORMAT_VERSION, cache_dir,
                         lambda out: _build(out, **args))
 

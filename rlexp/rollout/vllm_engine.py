@@ -14,13 +14,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlexp import orphans
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
-from rlexp.rollout import reaper
+from rlexp.rollout import reaper, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.weights.protocols import EngineProcess, in_process
@@ -82,7 +83,11 @@ class VLLMEngine:
         idle_spin_s: float | None = 0.05,
         replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,
+        routing_capture: bool = False,
     ):
+        """routing_capture: each Generation carries the experts every MoE layer chose for every
+        token it computed (`routed_experts`); vLLM's own capture on a GPU, rlexp's worker hook on
+        the CPU (rlexp/rollout/vllm_routing.py, which needs prefix caching off)."""
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             model=model_path,
@@ -99,11 +104,15 @@ class VLLMEngine:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
             enable_sleep_mode=enable_sleep_mode and on_gpu,
-            worker_extension_cls="rlexp.weights.vllm_worker.SharedWeightLoader",
+            worker_extension_cls="rlexp.rollout.vllm_worker.WorkerExtension",
             # JSON constraints (response_format) without free whitespace: a grammar that allows
             # it lets a model pad a reply with blank lines up to max_tokens (an engine setting)
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
+        if routing_capture and on_gpu:
+            kwargs["enable_return_routed_experts"] = True
+        elif routing_capture:  # a cached prompt block is not recomputed, so its routing is not seen
+            kwargs["enable_prefix_caching"] = False
         if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
             kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
         if on_gpu:
@@ -122,6 +131,8 @@ class VLLMEngine:
         self._interrupts = 0  # pauses that cut requests short so far
         self.busy = BusyMeter()
         self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
+        self.routing_capture = routing_capture
+        self._install_capture = routing_capture and not on_gpu  # in the workers, before the first request
 
     def _start(self, kwargs: dict[str, Any], on_gpu: bool) -> None:
         """vLLM's IPC sockets go into a directory of this engine's, so that a later run can
@@ -154,25 +165,28 @@ class VLLMEngine:
         versions: list[int] = []
         top: list[dict[int, float]] = []
         segment = 0
+        routing = None
         while True:
             await self._running.wait()
             interrupts = self._interrupts
             seed = sampling.seed if segment == 0 or sampling.seed is None else \
                 hash((sampling.seed, segment)) & 0x7FFFFFFF
             rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
-            new_ids, new_lps, new_top, finish, version = await self._request(list(token_ids) + ids, rest,
-                                                                             on_tokens)
+            new_ids, new_lps, new_top, finish, version, new_routing = await self._request(
+                list(token_ids) + ids, rest, on_tokens)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.depends_on_the_reply:
                 ids, logprobs, versions, top = [], [], [], []
+                routing = new_routing
             else:
+                routing = _stitch_routing(routing, new_routing, len(token_ids) + len(ids))
                 ids += new_ids
                 logprobs += new_lps
                 versions += [version] * len(new_ids)
                 top += new_top
             if not interrupted or len(ids) >= sampling.max_tokens:
                 return Generation(ids, logprobs, finish if not interrupted else "length", versions,
-                                  top if sampling.top_logprobs else None)
+                                  top if sampling.top_logprobs else None, routing)
             segment += 1
 
     @staticmethod
@@ -203,12 +217,17 @@ class VLLMEngine:
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
             await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
+        if self._install_capture:
+            self._install_capture = False
+            if not all(await self._call(self.llm.collective_rpc("enable_routing_capture"))):
+                raise ValueError("rollout.routing_capture: the model has no MoE layer to capture")
         final, counted, version, reported = None, 0, self.version, 0
+        request_id = f"r{next(self._ids)}"
         self.busy.enter()
         try:
             with self._engine_alive():
                 async for out in self.llm.generate(
-                    {"prompt_token_ids": token_ids}, params, request_id=f"r{next(self._ids)}"
+                    {"prompt_token_ids": token_ids}, params, request_id=request_id
                 ):
                     if final is None:
                         # Read at the first output, not at submission: a request that reached the
@@ -231,7 +250,15 @@ class VLLMEngine:
         k = sampling.top_logprobs  # each step also holds the sampled token, whatever its rank
         top = [{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
                for step in steps] if k else []
-        return ids, logprobs, top, completion.finish_reason or "abort", version
+        routing = await self._routing(request_id, completion) if self.routing_capture else None
+        return ids, logprobs, top, completion.finish_reason or "abort", version, routing
+
+    async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
+        """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""
+        if completion.routed_experts is not None:
+            return np.asarray(completion.routed_experts)
+        (taken, *_) = await self._call(self.llm.collective_rpc("take_routing", args=([request_id],)))
+        return vllm_routing.unpack(taken[request_id])
 
     @contextlib.contextmanager
     def _engine_alive(self):
@@ -334,3 +361,13 @@ class VLLMEngine:
             orphans.remove(self._temp, self._temp_lock)
         del llm
         gc.collect()
+
+
+def _stitch_routing(before: np.ndarray | None, after: np.ndarray | None, computed: int) -> np.ndarray | None:
+    """A continued completion's routing: the first request's for the positions it computed,
+    the continuation's (under the new weights) from there on (`computed` = the tokens the
+    continuation was given, its last one never forwarded by the first request)."""
+    if before is None or after is None:
+        return after
+    keep = min(len(before), computed - 1)
+    return np.concatenate([before[:keep], after[keep:]])

@@ -35,6 +35,12 @@ PLACES = [
      "its derived tables are the buffers named in DERIVED_BUFFERS"),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
      "a reload skips `moe_kernel.fused_experts.process_weights_after_loading(layer)`, the CPU repack"),
+    # routing capture on the CPU (rlexp/rollout/vllm_routing.py)
+    ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter",
+     "`set_capture_fn(fn)`: fn gets each forward's logical top-k expert ids [rows, k]"),
+    ("vllm.model_executor.layers.fused_moe.layer", "MoERunner", "each MoE layer's, with `router` and `layer_id`"),
+    ("vllm.v1.worker.gpu_input_batch", "InputBatch",
+     "`req_ids` in a forward's row order, `num_computed_tokens_cpu` as before the step"),
 ]
 
 # The rotary embeddings' cos/sin tables (buffers vLLM computes from the config).

@@ -1,0 +1,106 @@
+"""Mixture of experts: the routing vLLM's CPU worker captures (rlexp/rollout/vllm_routing.py)
+is the routing the trainer's model computes on the same tokens, and replaying it in the
+trainer (rlexp/trainer/routing_replay.py) is what the logprobs follow: the captured ids give
+the engine's logprobs, shifted ids move them.
+
+    .venv/bin/pytest tests/test_moe.py -s     # prints the figures ([moe] lines)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from rlexp.chat.render import render_prompt
+from rlexp.sample import SamplingConfig
+from rlexp.trainer.routing_replay import replay_routing, replayed, routers
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory) -> str:
+    from rlexp.models.arch import build_arch_model
+
+    return build_arch_model("qwen3_moe", str(tmp_path_factory.mktemp("moe")), seed=0)
+
+
+def _generate(path: str, prompts: list[list[int]]):
+    from rlexp.rollout.vllm_engine import VLLMEngine
+
+    async def go():
+        engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=8,
+                            routing_capture=True)
+        try:
+            return await asyncio.gather(*(engine.generate(p, SamplingConfig(1.0, 1.0, 12, seed=i))
+                                          for i, p in enumerate(prompts)))
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(go())
+
+
+def _forward(model, tokens: list[int], routed: torch.Tensor | None = None):
+    """Logprobs of tokens[1:] and each layer's own top-k ids [positions, layers, k]."""
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2])) for r in routers(model)]
+    ids = torch.tensor([tokens[:-1]])
+    try:
+        with torch.no_grad(), replay_routing(model, routed[None]) if routed is not None else nullcontext():
+            logits = model(input_ids=ids).logits[0].float()
+    finally:
+        for h in hooks:
+            h.remove()
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return logp, torch.stack(seen, dim=1)
+
+
+def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logprobs(moe_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moe_path)
+    prompts = [render_prompt(tok, [{"role": "user", "content": q}])
+               for q in ("What is 12+3?", "Name a prime number.", "Say hello in French.")]
+    gens = _generate(moe_path, prompts)
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    config = model.config
+    agree = total = 0
+    free_vs_engine = replay_vs_engine = shifted_move = 0.0
+    for prompt, g in zip(prompts, gens):
+        tokens = prompt + g.token_ids
+        routing = torch.as_tensor(g.routed_experts.astype("int64"))
+        assert routing.shape == (len(tokens) - 1, config.num_hidden_layers, config.num_experts_per_tok)
+        engine_lp = torch.tensor(g.logprobs)
+        free_lp, own = _forward(model, tokens)
+        # the same experts per token and layer (the order within the top-k may differ)
+        same = (routing.sort(-1).values == own.reshape(routing.shape).sort(-1).values).all(-1)
+        agree, total = agree + int(same.sum()), total + same.numel()
+        replay_lp, _ = _forward(model, tokens, routing)
+        shifted_lp, _ = _forward(model, tokens, (routing + 1) % config.num_experts)
+        gen = slice(len(prompt) - 1, None)
+        free_vs_engine = max(free_vs_engine, (free_lp[gen] - engine_lp).abs().max().item())
+        replay_vs_engine = max(replay_vs_engine, (replay_lp[gen] - engine_lp).abs().max().item())
+        shifted_move = max(shifted_move, (shifted_lp[gen] - engine_lp).abs().max().item())
+    print(f"\n[moe] fp32: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; max |logprob - "
+          f"vLLM's|: free routing {free_vs_engine:.2e}, replayed {replay_vs_engine:.2e}, replayed ids + 1 "
+          f"(mod experts) {shifted_move:.2e}")
+    assert agree == total
+    assert replay_vs_engine < 1e-4 and free_vs_engine < 1e-4
+    assert shifted_move > 1e-2  # the replayed ids are what the logprobs follow (10,000x the replay error)
+
+
+def test_replayed_weights_are_the_softmax_at_the_given_experts_renormalised():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]], requires_grad=True)
+    ids = torch.tensor([[2, 3]])
+    w = replayed(logits, ids, normalize=True)
+    p = torch.softmax(logits.detach(), -1)[0]
+    expected = torch.stack([p[2], p[3]]) / (p[2] + p[3])  # by hand: e^1 / (e^1 + e^-1) = 0.8808
+    assert torch.allclose(w[0], expected) and abs(w[0, 0].item() - 0.880797) < 1e-5
+    # differentiable through the router: d w_2 / d z_2 = w_2 (1 - w_2), d w_2 / d z_0 = 0
+    w[0, 0].backward()
+    assert torch.allclose(logits.grad[0], torch.tensor([0.0, 0.0, 0.880797 * 0.119203, -0.880797 * 0.119203]),
+                          atol=1e-5)
+    assert torch.allclose(replayed(logits, ids, normalize=False)[0], p[[2, 3]])
