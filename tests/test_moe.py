@@ -28,12 +28,12 @@ def moe_path(tmp_path_factory) -> str:
     return build_arch_model("qwen3_moe", str(tmp_path_factory.mktemp("moe")), seed=0)
 
 
-def _generate(path: str, prompts: list[list[int]]):
+def _generate(path: str, prompts: list[list[int]], dtype: str):
     from rlexp.rollout.vllm_engine import VLLMEngine
 
     async def go():
         engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=8,
-                            routing_capture=True)
+                            routing_capture=True, dtype=dtype)
         try:
             return await asyncio.gather(*(engine.generate(p, SamplingConfig(1.0, 1.0, 12, seed=i))
                                           for i, p in enumerate(prompts)))
@@ -58,14 +58,15 @@ def _forward(model, tokens: list[int], routed: torch.Tensor | None = None):
     return logp, torch.stack(seen, dim=1)
 
 
-def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logprobs(moe_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logprobs(moe_path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(moe_path)
     prompts = [render_prompt(tok, [{"role": "user", "content": q}])
                for q in ("What is 12+3?", "Name a prime number.", "Say hello in French.")]
-    gens = _generate(moe_path, prompts)
-    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).eval()
+    gens = _generate(moe_path, prompts, dtype)
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=getattr(torch, dtype)).eval()
     config = model.config
     agree = total = 0
     free_vs_engine = replay_vs_engine = shifted_move = 0.0
@@ -84,12 +85,16 @@ def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logpr
         free_vs_engine = max(free_vs_engine, (free_lp[gen] - engine_lp).abs().max().item())
         replay_vs_engine = max(replay_vs_engine, (replay_lp[gen] - engine_lp).abs().max().item())
         shifted_move = max(shifted_move, (shifted_lp[gen] - engine_lp).abs().max().item())
-    print(f"\n[moe] fp32: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; max |logprob - "
+    print(f"\n[moe] {dtype}: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; max |logprob - "
           f"vLLM's|: free routing {free_vs_engine:.2e}, replayed {replay_vs_engine:.2e}, replayed ids + 1 "
           f"(mod experts) {shifted_move:.2e}")
-    assert agree == total
-    assert replay_vs_engine < 1e-4 and free_vs_engine < 1e-4
-    assert shifted_move > 1e-2  # the replayed ids are what the logprobs follow (10,000x the replay error)
+    if dtype == "float32":  # measured: 180/180; 9.5e-7 both; 9.8e-2
+        assert agree == total
+        assert replay_vs_engine < 1e-4 and free_vs_engine < 1e-4
+    else:  # measured: 176/180 (near-ties flip in bf16); free 2.0e-2, replayed 2.4e-3; 1.0e-1
+        assert agree >= 0.9 * total
+        assert replay_vs_engine <= free_vs_engine  # replay removes the routing flips' share
+    assert shifted_move > 10 * max(replay_vs_engine, 1e-3)  # the replayed ids are what the logprobs follow
 
 
 def test_replayed_weights_are_the_softmax_at_the_given_experts_renormalised():
