@@ -114,6 +114,10 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     _check_scheduler(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
+    if OmegaConf.select(cfg, "trainer.routing_replay") == "rollout" and \
+            not OmegaConf.select(cfg, "rollout.routing_capture"):
+        raise ConfigError("trainer.routing_replay=rollout replays the engine's routing: it needs "
+                          "rollout.routing_capture=true (rollout=vllm, an MoE model)")
 
 
 def _check_cluster(cfg: DictConfig) -> None:

@@ -80,6 +80,18 @@ class Generation:
         return min(self.versions, default=-1)
 
 
+def stitch_routing(before: Any, after: Any) -> Any:
+    """THE rule for a position's routing: the engine's choice when it first computed that
+    position. `before` covers positions 0 .. len(before) - 1 (an earlier request: a turn, or
+    a completion cut by a weight update); `after` (a later request over the same tokens and
+    more) adds the positions past them. numpy arrays [positions, layers, k]."""
+    if before is None or after is None:
+        return after if before is None else before
+    import numpy as np
+
+    return np.concatenate([before, after[len(before):]]) if len(after) > len(before) else before
+
+
 def staleness(trained_version: int, generated_version: int) -> int:
     """THE definition of staleness: the number of policy versions between the version that
     generated a token and the version being trained."""
@@ -98,6 +110,9 @@ class TokenTrace:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)
+    # MoE (rollout.routing_capture): the engine's experts per position, numpy [positions,
+    # layers, k], for positions 0 .. len - 2 as far as generations covered them
+    routed_experts: Any = None
 
     def append(self, ids: list[int], *, role: str, text: str = "",
                generation: Generation | None = None) -> None:
@@ -110,11 +125,14 @@ class TokenTrace:
         self.versions += generation.versions if generation is not None else [-1] * len(ids)
         self.turns.append({"role": role, "text": text, "span": [start, len(self.tokens)],
                            "mask": int(generation is not None)})
+        if generation is not None and generation.routed_experts is not None:
+            self.routed_experts = stitch_routing(self.routed_experts, generation.routed_experts)
 
     def copy(self) -> TokenTrace:
-        """Copies of the lists (cheap); the turn records are never mutated in place."""
+        """Copies of the lists (cheap); the turn records and routing arrays are never mutated
+        in place."""
         return TokenTrace(list(self.tokens), list(self.loss_mask), list(self.logprobs),
-                          list(self.versions), list(self.turns))
+                          list(self.versions), list(self.turns), self.routed_experts)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -84,6 +84,8 @@ BAD_OVERRIDES = [
     ("trainer.policy_loss.dual_clip=0.5", "trainer.policy_loss.dual_clip must be > 1"),
     ("mismatch=icepop trainer.mismatch.high=0.9", "trainer.mismatch.high must be > 1"),
     ("advantage=gae", "advantage=gae needs critic=value"),
+    ("trainer.routing_replay=rollout", "it needs rollout.routing_capture=true"),
+    ("trainer.routing_replay=always", "trainer.routing_replay must be one of none, rollout"),
     ("critic=value", "a critic is only used by advantage=gae"),
     ("recipe=ppo trainer.critic.value_clip=-1", "trainer.critic.value_clip must be > 0"),
     ("advantage=rloo data.samples_per_prompt=1", "data.samples_per_prompt must be >= 2 for rlexp.algorithms"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import nullcontext
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +27,24 @@ def moe_path(tmp_path_factory) -> str:
     from rlexp.models.arch import build_arch_model
 
     return build_arch_model("qwen3_moe", str(tmp_path_factory.mktemp("moe")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollouts(moe_path):
+    """dtype -> (prompts, generations with routing), each engine started once."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moe_path)
+    prompts = [render_prompt(tok, [{"role": "user", "content": q}])
+               for q in ("What is 12+3?", "Name a prime number.", "Say hello in French.")]
+    made: dict[str, tuple] = {}
+
+    def get(dtype: str):
+        if dtype not in made:
+            made[dtype] = (prompts, _generate(moe_path, prompts, dtype))
+        return made[dtype]
+
+    return get
 
 
 def _generate(path: str, prompts: list[list[int]], dtype: str):
@@ -59,13 +78,10 @@ def _forward(model, tokens: list[int], routed: torch.Tensor | None = None):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logprobs(moe_path, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_captured_routing_is_the_models_and_replaying_it_gives_vllms_logprobs(moe_path, rollouts, dtype):
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(moe_path)
-    prompts = [render_prompt(tok, [{"role": "user", "content": q}])
-               for q in ("What is 12+3?", "Name a prime number.", "Say hello in French.")]
-    gens = _generate(moe_path, prompts, dtype)
+    prompts, gens = rollouts(dtype)
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=getattr(torch, dtype)).eval()
     config = model.config
     agree = total = 0
@@ -85,9 +101,9 @@ def test_captured_routing_is_the_models_and_replaying_it_gives_the_engines_logpr
         free_vs_engine = max(free_vs_engine, (free_lp[gen] - engine_lp).abs().max().item())
         replay_vs_engine = max(replay_vs_engine, (replay_lp[gen] - engine_lp).abs().max().item())
         shifted_move = max(shifted_move, (shifted_lp[gen] - engine_lp).abs().max().item())
-    print(f"\n[moe] {dtype}: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; max |logprob - "
-          f"vLLM's|: free routing {free_vs_engine:.2e}, replayed {replay_vs_engine:.2e}, replayed ids + 1 "
-          f"(mod experts) {shifted_move:.2e}")
+    print(f"\n[moe] {dtype}: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; "
+          f"max |logprob - vLLM's|: free routing {free_vs_engine:.2e}, replayed {replay_vs_engine:.2e}, "
+          f"replayed ids + 1 (mod experts) {shifted_move:.2e}")
     if dtype == "float32":  # measured: 180/180; 9.5e-7 both; 9.8e-2
         assert agree == total
         assert replay_vs_engine < 1e-4 and free_vs_engine < 1e-4
@@ -109,3 +125,38 @@ def test_replayed_weights_are_the_softmax_at_the_given_experts_renormalised():
     assert torch.allclose(logits.grad[0], torch.tensor([0.0, 0.0, 0.880797 * 0.119203, -0.880797 * 0.119203]),
                           atol=1e-5)
     assert torch.allclose(replayed(logits, ids, normalize=False)[0], p[[2, 3]])
+
+
+def _samples(prompts, gens, shift: int = 0, experts: int = 8):
+    from rlexp.sample import Sample, Status, TokenTrace
+
+    out = []
+    for i, (p, g) in enumerate(zip(prompts, gens)):
+        if shift:
+            g = replace(g, routed_experts=(g.routed_experts + shift) % experts)
+        trace = TokenTrace()
+        trace.append(p, role="prompt")
+        trace.append(g.token_ids, role="assistant", generation=g)
+        out.append(Sample(group_id=0, prompt=[], answer="", trace=trace, status=Status.COMPLETED,
+                          reward=float(i % 2)))
+    return out
+
+
+@pytest.mark.parametrize("replay", ["none", "rollout"])
+def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatch(moe_path, rollouts, replay):
+    """trainer.routing_replay: the sample's routing reaches every training forward (fp32:
+    the engine's logprobs either way, its routing is the trainer's own); the routing mismatch
+    metric is 0 for the engine's routing and 1 for shifted ids, which replay then follows."""
+    from rlexp.trainer.controller import TrainController
+
+    prompts, gens = rollouts("float32")
+    trainer = TrainController(moe_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), routing_replay=replay)
+    engine = [torch.tensor(g.logprobs) for g in gens]
+    ours = trainer.sample_logprobs(_samples(prompts, gens))
+    assert max((lp[len(p):] - e).abs().max().item() for p, lp, e in zip(prompts, ours, engine)) < 1e-4
+    shifted = trainer.sample_logprobs(_samples(prompts, gens, shift=1))
+    moved = max((lp[len(p):] - e).abs().max().item() for p, lp, e in zip(prompts, shifted, engine))
+    assert (moved > 1e-2) == (replay == "rollout")  # replay follows the ids it is given
+    assert trainer.fit(_samples(prompts, gens), version=0)["train/routing_mismatch_frac"] == 0.0
+    assert trainer.fit(_samples(prompts, gens, shift=1), version=0)["train/routing_mismatch_frac"] == 1.0

@@ -23,7 +23,7 @@ from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout import reaper, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
-from rlexp.sample import Generation, SamplingConfig
+from rlexp.sample import Generation, SamplingConfig, stitch_routing
 from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class VLLMEngine:
                 ids, logprobs, versions, top = [], [], [], []
                 routing = new_routing
             else:
-                routing = _stitch_routing(routing, new_routing, len(token_ids) + len(ids))
+                routing = stitch_routing(routing, new_routing)
                 ids += new_ids
                 logprobs += new_lps
                 versions += [version] * len(new_ids)
@@ -361,13 +361,3 @@ class VLLMEngine:
             orphans.remove(self._temp, self._temp_lock)
         del llm
         gc.collect()
-
-
-def _stitch_routing(before: np.ndarray | None, after: np.ndarray | None, computed: int) -> np.ndarray | None:
-    """A continued completion's routing: the first request's for the positions it computed,
-    the continuation's (under the new weights) from there on (`computed` = the tokens the
-    continuation was given, its last one never forwarded by the first request)."""
-    if before is None or after is None:
-        return after
-    keep = min(len(before), computed - 1)
-    return np.concatenate([before[:keep], after[keep:]])

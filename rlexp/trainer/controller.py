@@ -41,6 +41,7 @@ from rlexp.trainer.critic import Critic, critic_report
 from rlexp.trainer.fit_batch import FitBatch, Piece
 from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
 from rlexp.trainer.policy import build_policy
+from rlexp.trainer.routing_replay import routed_forward
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE
@@ -73,9 +74,11 @@ class TrainController:
         mixed_precision: Literal["none", "bfloat16"] = "none",
         lora: dict | None = None,
         critic: Callable[..., Critic] | None = None,
+        routing_replay: Literal["none", "rollout"] = "none",
     ):
         """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip).
-        critic: builds the value model (trainer.critic, conf/critic/), for advantage=gae."""
+        critic: builds the value model (trainer.critic, conf/critic/), for advantage=gae.
+        routing_replay: MoE, `rollout`: every forward replays the engine's experts (routing_replay.py)."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
@@ -98,8 +101,7 @@ class TrainController:
         self.critic = critic(policy_path=model_path, total_steps=total_steps, dtype=dtype,
                              gradient_checkpointing=gradient_checkpointing,
                              mixed_precision=mixed_precision) if critic else None
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = optimizer(trained)
+        self.optimizer = optimizer([p for p in self.model.parameters() if p.requires_grad])
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
@@ -107,6 +109,8 @@ class TrainController:
         self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
         # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
         self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
+        # the last forward's share of MoE layers routed unlike the engine, [n, width-1]
+        self.routing_replay, self.routing_differs = routing_replay, None
 
     # ---- low-level API: `fit` is these calls in order (rlexp/trainer/fit_batch.py) ------
     def prepare(self, batch: list[Sample], version: int) -> FitBatch:
@@ -256,7 +260,9 @@ class TrainController:
     def _forward(self, model, tb: TokenBatch, idx: torch.Tensor, width: int, entropy: bool = False):
         """Logprobs (and entropies) of the predicted tokens of rows `idx`, [n, width-1]."""
         ids = tb.input_ids[idx, :width].to(self.device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / self.temperature
+        routed = tb.routed[idx, :width].to(self.device) if tb.routed is not None else None
+        out, self.routing_differs = routed_forward(model, ids, routed, self.routing_replay == "rollout")
+        logits = out.logits[:, :-1].float() / self.temperature
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
         ent = None
@@ -372,8 +378,7 @@ class TrainController:
     def _minibatch(self, tb: TokenBatch, mine: list[Piece], totals: Totals, logprobs, levels,
                    maxes: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
         """Forward/backward of this rank's micro-batches of one minibatch; their metric sums."""
-        old, behav, ref, adv = logprobs
-        dev = self.device
+        (old, behav, ref, adv), dev = logprobs, self.device
         part: dict[str, torch.Tensor] = {}
         for idx, width, real in mine:
             idx_d, cols = idx.to(dev), slice(0, width - 1)
@@ -387,6 +392,8 @@ class TrainController:
             # the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if first:
                 terms["mismatch_kl"] = kl_estimate(logp, x.old_logp, "k3")
+                if (differs := self.routing_differs) is not None:
+                    terms["routing_mismatch_frac"] = differs
                 stale = tb.staleness[idx, cols].to(dev)
                 fit_metrics.offpolicy_sums(part, logp.detach(), x.behav_logp, stale, mask, levels)
             fit_metrics.add_terms(part, terms, mask, totals.tokens, totals.seqs)

@@ -58,7 +58,7 @@ def offpolicy_report(out: dict[str, float], levels: list[int]) -> dict[str, floa
 
 def reduce_metrics(sums, maxes, grad_norm_sum, n_mb) -> dict[str, float]:
     """Means over minibatches, summed (maxima: maxed) over ranks, read in one transfer."""
-    once = ("offpolicy", "mismatch_kl")  # measured in the first minibatch only
+    once = ("offpolicy", "mismatch_kl", "routing_mismatch")  # measured in the first minibatch only
     means = {(k if k.startswith("critic/") else f"train/{k}"): v / (1 if k.startswith(once) else n_mb)
              for k, v in sums.items()}
     summed = distributed.all_reduce_(torch.stack(list(means.values())), "sum")

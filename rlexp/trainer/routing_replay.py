@@ -39,23 +39,29 @@ def replayed(router_logits: torch.Tensor, ids: torch.Tensor, normalize: bool) ->
 
 
 @contextlib.contextmanager
-def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[None]:
+def replay_routing(model: torch.nn.Module, routed: torch.Tensor, replay: bool = True,
+                   differs: list[torch.Tensor] | None = None) -> Iterator[None]:
     """Within the block, every forward of `model` routes position t of row b at layer l to
     `routed[b, t, l]` ([rows, positions, layers, k] expert ids, matching the forward's
-    input_ids [rows, positions])."""
+    input_ids [rows, positions]); with `replay` False it routes freely. Either way, when
+    `differs` is given each forward appends [rows, positions, layers] bool: whether the
+    model's own top-k differs from `routed` there (as sets)."""
     layers = routers(model)
     if routed.shape[2] != len(layers):
         raise ValueError(f"routing replay: {routed.shape[2]} layers of routing for a model with "
                          f"{len(layers)} MoE layers")
+    per_layer: list[torch.Tensor] = []
 
     def hook(layer: int):
         def replace(module, args, output):
-            logits = output[0]
+            logits, _, own = output
             ids = routed[:, :, layer].reshape(-1, routed.shape[-1]).to(logits.device, torch.long)
             if ids.shape[0] != logits.shape[0]:
                 raise ValueError(f"routing replay: {ids.shape[0]} routed positions for a forward of "
                                  f"{logits.shape[0]}")
-            return logits, replayed(logits, ids, module.norm_topk_prob), ids
+            if differs is not None:
+                per_layer.append((own.sort(-1).values != ids.sort(-1).values).any(-1))
+            return (logits, replayed(logits, ids, module.norm_topk_prob), ids) if replay else None
         return replace
 
     handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(layers)]
@@ -64,3 +70,19 @@ def replay_routing(model: torch.nn.Module, routed: torch.Tensor) -> Iterator[Non
     finally:
         for h in handles:
             h.remove()
+        if differs is not None and per_layer:
+            first = per_layer[:len(layers)]  # a recomputing (checkpointed) backward runs the hooks again
+            differs.append(torch.stack(first, dim=-1).reshape(*routed.shape[:2], len(layers)))
+
+
+def routed_forward(model: torch.nn.Module, ids: torch.Tensor, routed: torch.Tensor | None, replay: bool):
+    """`model(input_ids=ids)` under the engine's routing `routed` [rows, positions, layers, k]
+    (replayed, or only compared when `replay` is False), and per predicting position the
+    share of MoE layers whose own top-k differs from the engine's, [rows, positions - 1]
+    (None without routing)."""
+    if routed is None:
+        return model(input_ids=ids, use_cache=False), None
+    differs: list[torch.Tensor] = []
+    with replay_routing(model, routed, replay, differs):
+        out = model(input_ids=ids, use_cache=False)
+    return out, differs[0][:, :-1].float().mean(-1) if differs else None

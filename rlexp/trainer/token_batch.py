@@ -24,6 +24,21 @@ def _padded(rows: list[list], width: int, value, dtype: torch.dtype) -> torch.Te
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
+def _routed(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """The samples' routing, padded; positions no generation computed (the last token, and
+    padding) get experts 0..k-1: their outputs are never used."""
+    arrays = [s.trace.routed_experts for s in samples]
+    shape = next((a.shape[1:] for a in arrays if a is not None), None)
+    if shape is None:
+        return None
+    out = torch.arange(shape[1], dtype=torch.int16).expand(len(samples), width, *shape).clone()
+    for row, a in enumerate(arrays):
+        if a is not None:
+            n = min(len(a), width)
+            out[row, :n] = torch.from_numpy(a[:n].astype("int16"))
+    return out
+
+
 @dataclass
 class TokenBatch:
     input_ids: torch.Tensor  # [N, L] long, right-padded with 0
@@ -31,6 +46,8 @@ class TokenBatch:
     behav_logprobs: torch.Tensor  # [N, L-1] the rollout's logprob of each predicted token
     staleness: torch.Tensor  # [N, L-1] long: policy versions between rollout and `version`
     lengths: list[int]  # real tokens per row
+    # MoE: the engine's experts per position [N, L, layers, k] (rows without: experts 0..k-1)
+    routed: torch.Tensor | None = None
 
     @classmethod
     def build(cls, samples: list[Sample], version: int) -> TokenBatch:
@@ -43,7 +60,8 @@ class TokenBatch:
             loss_mask=_padded([s.loss_mask for s in samples], width, 0, torch.float32)[:, 1:],
             behav_logprobs=_padded([s.logprobs for s in samples], width, 0.0, torch.float32)[:, 1:],
             staleness=_padded(stale, width, 0, torch.long)[:, 1:],
-            lengths=[len(s.tokens) for s in samples])
+            lengths=[len(s.tokens) for s in samples],
+            routed=_routed(samples, width))
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -38,7 +38,8 @@ PLACES = [
     # routing capture on the CPU (rlexp/rollout/vllm_routing.py)
     ("vllm.model_executor.layers.fused_moe.router.base_router", "BaseRouter",
      "`set_capture_fn(fn)`: fn gets each forward's logical top-k expert ids [rows, k]"),
-    ("vllm.model_executor.layers.fused_moe.layer", "MoERunner", "each MoE layer's, with `router` and `layer_id`"),
+    ("vllm.model_executor.layers.fused_moe.layer", "MoERunner",
+     "each MoE layer's, with `router` and `layer_id`"),
     ("vllm.v1.worker.gpu_input_batch", "InputBatch",
      "`req_ids` in a forward's row order, `num_computed_tokens_cpu` as before the step"),
 ]
