@@ -86,8 +86,12 @@ def build_tiny_model(
     task_eval_size: int,
     task_seed: int,
     warm_start_format: str = "answer",
+    num_experts: int = 0,
+    experts_per_token: int = 2,
 ) -> str:
-    """Return the path of the built model directory, building it on first use."""
+    """Return the path of the built model directory, building it on first use.
+    `num_experts` > 0: a mixture of experts (Qwen3-MoE's layout, every MLP `num_experts`
+    experts of hidden_size, top-`experts_per_token` routing) instead of Qwen2's dense MLP."""
     if warm_start_format not in ("answer", "tool"):
         raise ValueError(f"model.warm_start_format must be 'answer' or 'tool', got {warm_start_format!r}")
     if hidden_size // num_heads not in (32, 64, 80, 96, 112, 128):
@@ -95,7 +99,12 @@ def build_tiny_model(
             f"model: hidden_size/num_heads = {hidden_size // num_heads}; vLLM's CPU attention "
             "needs a head dim of 32, 64, 80, 96, 112 or 128"
         )
-    args = {k: v for k, v in locals().items() if k != "cache_dir"} | {"v": FORMAT_VERSION}
+    if num_experts and not 1 <= experts_per_token <= num_experts:
+        raise ValueError(f"model: experts_per_token={experts_per_token} must be in 1..num_experts="
+                         f"{num_experts}")
+    moe = ("num_experts", "experts_per_token")  # in a dense model's cache key: neither
+    args = {k: v for k, v in locals().items() if k != "cache_dir" and (num_experts or k not in moe)
+            and k != "moe"} | {"v": FORMAT_VERSION}
     key = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
     out = Path(cache_dir).expanduser().resolve() / f"tiny-{key}"
     if (out / "config.json").exists():
@@ -107,7 +116,7 @@ def build_tiny_model(
     t0 = time.time()
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
-    model = _random_model(tokenizer, hidden_size, num_layers, num_heads)
+    model = _random_model(tokenizer, hidden_size, num_layers, num_heads, num_experts, experts_per_token)
     train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
     _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
                 warm_start_target_accuracy, seed, warm_start_format)
@@ -116,10 +125,14 @@ def build_tiny_model(
     return str(out)
 
 
-def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_experts: int = 0,
+                  experts_per_token: int = 2):
+    import transformers
 
-    config = Qwen2Config(
+    moe = {"num_experts": num_experts, "num_experts_per_tok": experts_per_token, "decoder_sparse_step": 1,
+           "moe_intermediate_size": hidden_size, "norm_topk_prob": True, "mlp_only_layers": [],
+           "head_dim": hidden_size // num_heads, "attention_bias": False} if num_experts else {}
+    config = getattr(transformers, "Qwen3MoeConfig" if num_experts else "Qwen2Config")(
         vocab_size=128,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
@@ -132,8 +145,9 @@ def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **moe,
     )
-    return Qwen2ForCausalLM(config)
+    return (transformers.Qwen3MoeForCausalLM if num_experts else transformers.Qwen2ForCausalLM)(config)
 
 
 def _save_atomically(model, tokenizer, out: Path, args: dict, key: str) -> None:
