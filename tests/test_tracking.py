@@ -125,3 +125,25 @@ def test_a_constrained_turn_and_a_model_judges_call_are_in_the_trace_file_and_th
     assert (json.loads(recorded) if isinstance(recorded, str) else recorded) == sampling
     root = next(sp for sp in trace.data.spans if sp.parent_id is None)
     assert root.outputs["judge"] == {"prompt": "Grade: 2=", "reply": "Score: 7"}
+
+
+def test_an_moe_samples_routing_goes_beside_the_trace_file_compressed_and_referenced(tmp_path):
+    import numpy as np
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    routed = np.random.default_rng(0).integers(0, 8, size=(30, 2, 2), dtype=np.uint8)
+    moe, dense = _sample(1), _sample(1)
+    moe.trace.routed_experts = routed
+    tracker = _tracker(uri)
+    tracker.start(OmegaConf.create({"seed": 0}))
+    tracker.log_samples([dense, moe], 1, decode=lambda ids: "")
+    tracker.end()
+    rid = _active(client).info.run_id
+    trace_file = client.download_artifacts(rid, "traces/step_00001.jsonl", str(tmp_path))
+    lines = [json.loads(x) for x in open(trace_file)]
+    assert "routed_experts" not in lines[0]
+    ref = lines[1]["routed_experts"]
+    assert ref == {"file": "step_00001.routing.npz", "key": "1", "shape": [30, 2, 2]}
+    with np.load(client.download_artifacts(rid, f"traces/{ref['file']}", str(tmp_path))) as npz:
+        assert list(npz) == ["1"] and np.array_equal(npz["1"], routed) and npz["1"].dtype == np.uint8

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import Param, Run, ViewType
 from omegaconf import DictConfig, OmegaConf
@@ -127,9 +128,22 @@ class MlflowTracker:
 def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
     """One step's trajectories as a JSONL artifact of the run (token ids, masks, logprobs,
     versions, decoded text). Runs on the writer thread: the run is named explicitly, since
-    MLflow's active run belongs to the loop's thread."""
-    lines = "\n".join(json.dumps(s.to_trace(decode)) for s in samples)
-    MlflowClient().log_text(run_id, lines + "\n", artifact_file)
+    MLflow's active run belongs to the loop's thread. An MoE run's routing goes beside it,
+    compressed binary (`<step>.routing.npz`, one array per line's key), not into the JSON."""
+    client = MlflowClient()
+    lines, routed = [], {}
+    npz = Path(artifact_file).with_suffix(".routing.npz")
+    for i, s in enumerate(samples):
+        line = s.to_trace(decode)
+        if (routing := s.trace.routed_experts) is not None:
+            routed[str(i)] = routing
+            line["routed_experts"] = {"file": npz.name, "key": str(i), "shape": list(routing.shape)}
+        lines.append(json.dumps(line))
+    client.log_text(run_id, "\n".join(lines) + "\n", artifact_file)
+    if routed:
+        with tempfile.TemporaryDirectory() as tmp:
+            np.savez_compressed(Path(tmp) / npz.name, **routed)
+            client.log_artifact(run_id, str(Path(tmp) / npz.name), str(npz.parent))
 
 
 @contextlib.contextmanager
