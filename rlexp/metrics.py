@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from rlexp.protocols import Agent
 from rlexp.sample import Sample, Status
 
@@ -40,7 +42,23 @@ def rollout_metrics(batch: list[Sample], version: int) -> dict[str, float]:
         "rollout/staleness_mean": sum(k * n for k, n in staleness.items()) / n,
         "rollout/staleness_max": float(max(staleness, default=0)),
         **{f"rollout/staleness_hist/{k}": float(c) for k, c in staleness.items()},
+        **expert_load([s.trace.routed_experts for s in done]),
     }
+
+
+def expert_load(routings: list) -> dict[str, float]:
+    """MoE (rollout.routing_capture): per layer, the busiest expert's share of the engine's
+    (position, top-k) routing slots over the batch (1/experts when balanced), and the routing
+    data's size in bytes."""
+    arrays = [r for r in routings if r is not None]
+    if not arrays:
+        return {}
+    ids = np.concatenate(arrays)  # [positions, layers, k]
+    out = {"moe/routing_bytes": float(sum(a.nbytes for a in arrays))}
+    for layer in range(ids.shape[1]):
+        counts = np.bincount(ids[:, layer].ravel())
+        out[f"moe/expert_load_max/layer_{layer}"] = float(counts.max() / counts.sum())
+    return out
 
 
 def length_stats(lengths: list[int], prefix: str) -> dict[str, float]:
