@@ -160,3 +160,20 @@ def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatc
     assert (moved > 1e-2) == (replay == "rollout")  # replay follows the ids it is given
     assert trainer.fit(_samples(prompts, gens), version=0)["train/routing_mismatch_frac"] == 0.0
     assert trainer.fit(_samples(prompts, gens, shift=1), version=0)["train/routing_mismatch_frac"] == 1.0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_vllms_own_capture_gives_the_routing_the_trainer_computes(moe_path):
+    """rollout.routing_capture on a GPU: vLLM's public `enable_return_routed_experts` (its V2
+    model runner), the same [positions, layers, k] the trainer's own routing has (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(moe_path)
+    prompts = [render_prompt(tok, [{"role": "user", "content": "What is 12+3?"}])]
+    (g,) = _generate(moe_path, prompts, "float32")
+    model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).cuda().eval()
+    tokens = prompts[0] + g.token_ids
+    _, own = _forward(model.cpu(), tokens)
+    routing = torch.as_tensor(g.routed_experts.astype("int64"))
+    assert routing.shape == own.reshape(routing.shape).shape
+    assert (routing.sort(-1).values == own.reshape(routing.shape).sort(-1).values).float().mean() > 0.99
