@@ -134,3 +134,15 @@ def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> d
             fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" for k in steps[0])
             print(f"block {b} {name:<8} {fields}", flush=True)
     return out
+
+
+def report_sides(runs: dict[str, list[dict]], blocks: int, steps: int) -> dict[str, dict[str, float]]:
+    """Print each side's medians (step and its phases, response length, peak RSS if measured)
+    over the blocks of `alternate_blocks`; return them by side."""
+    print(f"\nmedians over {blocks} blocks x {steps} steps per side:")
+    med = {side: {k: median([r[k] for r in recs]) for k in recs[0]} for side, recs in runs.items()}
+    for side, m in med.items():
+        rss = f"  peak RSS {m['peak_mb']:.0f} MiB" if "peak_mb" in m else ""
+        print(f"  {side:6s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "
+              f"sync {m['sync']:.3f})  response {m['tokens']:.1f} tokens{rss}")
+    return med

@@ -48,15 +48,11 @@ def main() -> None:
         extra = ["recipe=ppo"] if args.side == "ppo" else []
         Path(args.out).write_text(json.dumps(one_block(args.steps + WARMUP, [*args.overrides, *extra])))
         return
-    from common import alternate_blocks, median
+    from common import alternate_blocks, report_sides
 
     me = [sys.executable, __file__, "--steps", str(args.steps), *args.overrides, "--side"]
     runs = alternate_blocks({"grpo": [*me, "grpo"], "ppo": [*me, "ppo"]}, args.blocks, WARMUP)
-    print(f"\nmedians over {args.blocks} blocks x {args.steps} steps per side:")
-    med = {side: {k: median([r[k] for r in recs]) for k in recs[0]} for side, recs in runs.items()}
-    for side, m in med.items():
-        print(f"  {side:5s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "
-              f"sync {m['sync']:.3f})  response {m['tokens']:.1f} tokens  peak RSS {m['peak_mb']:.0f} MiB")
+    med = report_sides(runs, args.blocks, args.steps)
     g, q = med["grpo"], med["ppo"]
     print(f"fit ppo/grpo: {q['fit'] / g['fit']:.3f}   "
           f"peak RSS ppo - grpo: {q['peak_mb'] - g['peak_mb']:.0f} MiB")

@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
-    from common import alternate_blocks, median, rlexp_step_times
+    from common import alternate_blocks, report_sides, rlexp_step_times
 
     if args.side:  # one block, in a child process: its per-step records as JSON into --out
         with tempfile.TemporaryDirectory() as tmp:
@@ -41,11 +41,7 @@ def main() -> None:
         return
     me = [sys.executable, __file__, "--steps", str(args.steps), *args.overrides, "--side"]
     runs = alternate_blocks({side: [*me, side] for side in SIDES}, args.blocks, WARMUP)
-    print(f"\nmedians over {args.blocks} blocks x {args.steps} steps per side:")
-    med = {side: {k: median([r[k] for r in recs]) for k in recs[0]} for side, recs in runs.items()}
-    for side, m in med.items():
-        print(f"  {side:6s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "
-              f"sync {m['sync']:.3f})  response {m['tokens']:.1f} tokens")
+    med = report_sides(runs, args.blocks, args.steps)
     n, r = med["none"], med["replay"]
     print(f"produce replay/none: {r['produce'] / n['produce']:.3f}   "
           f"fit replay/none: {r['fit'] / n['fit']:.3f}")
