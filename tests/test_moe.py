@@ -142,16 +142,19 @@ def _samples(prompts, gens, shift: int = 0, experts: int = 8):
     return out
 
 
-@pytest.mark.parametrize("replay", ["none", "rollout"])
-def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatch(moe_path, rollouts, replay):
-    """trainer.routing_replay: the sample's routing reaches every training forward (fp32:
+@pytest.mark.parametrize("replay, lora_rank", [("none", 0), ("rollout", 0), ("rollout", 4)])
+def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatch(moe_path, rollouts, replay,
+                                                                                   lora_rank):
+    """trainer.routing_replay: the sample's routing reaches every training forward, also under
+    LoRA (peft wraps the model; the routers are found by name) (fp32:
     the engine's logprobs either way, its routing is the trainer's own); the routing mismatch
     metric is 0 for the engine's routing and 1 for shifted ids, which replay then follows."""
     from rlexp.trainer.controller import TrainController
 
     prompts, gens = rollouts("float32")
     trainer = TrainController(moe_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
-                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), routing_replay=replay)
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), routing_replay=replay,
+                              lora={"rank": lora_rank, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
     engine = [torch.tensor(g.logprobs) for g in gens]
     ours = trainer.sample_logprobs(_samples(prompts, gens))
     assert max((lp[len(p):] - e).abs().max().item() for p, lp, e in zip(prompts, ours, engine)) < 1e-4
