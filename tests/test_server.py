@@ -379,35 +379,3 @@ def test_a_streamed_reply_is_the_reply_and_is_recorded_the_same(tokenizer):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert _joined(chunks2, 0)[0] == reply2.choices[0].message.content == "46"
     assert chunks2[-1].choices == [] and chunks2[-1].usage.completion_tokens == reply2.usage.completion_tokens
-
-
-IGNORED = {"user": "u-1", "safety_identifier": "s-1", "metadata": {"team": "rl"}, "store": True,
-           "service_tier": "auto", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
-           "prediction": {"type": "content", "content": "46"}, "logprobs": True}
-
-
-def test_fields_ignored_as_harmless_change_nothing_the_engine_is_asked_or_the_session_records(tokenizer):
-    """docs/agents.md lists these as accepted and ignored: the engine gets the same prompt and
-    sampling with them as without, and the sessions are the same."""
-    engine = ScriptedEngine(tokenizer, ["46", "46"])
-    store = SessionStore(engine, tokenizer, max_context=512)
-
-    async def go():
-        server = ChatServer(store)
-        await server.start()
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        try:
-            sessions = []
-            for extra in ({}, IGNORED):
-                sid = store.open()
-                await client.chat.completions.create(model="policy", messages=USER, seed=3, max_tokens=20,
-                                                     extra_body={"session_id": sid, **extra})
-                sessions.append([(list(b.trace.tokens), list(b.trace.logprobs), b.text, b.trace.turns)
-                                 for b in store.close(sid).branches])
-            return sessions
-        finally:
-            await server.stop()
-
-    plain, with_ignored = asyncio.run(go())
-    assert plain == with_ignored
-    assert engine.calls[0][0] == engine.calls[1][0] and engine.samplings[0] == engine.samplings[1]

@@ -170,11 +170,13 @@ class SessionStore:
         engine that streams), else its chunks come when it is whole."""
         if stream is None:
             return await self._generate(token_ids, sampling)
-        stream.start(index)
         streaming = getattr(self.engine, "generate_streaming", None)
         if not (token_by_token and streaming and not sampling.depends_on_the_reply
                 and not sampling.top_logprobs):
-            return await self._generate(token_ids, sampling)
+            gen = await self._generate(token_ids, sampling)
+            stream.start(index)  # after it: a request the engine rejects is still a plain 4xx answer
+            return gen
+        stream.start(index)
 
         def on_tokens(ids: list[int], logprobs: list[float]) -> None:
             stream.tokens(index, ids, self._token_logprobs(Generation(ids, logprobs, "", [])))

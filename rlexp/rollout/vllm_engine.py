@@ -58,7 +58,22 @@ def _report_new(completion, seen: int, on_tokens: Callable[[list[int], list[floa
     return seen + len(ids)
 
 
-ROUTING_BATCH_S = 0.002  # how long a routing fetch waits for other requests to finish with it
+
+def _device_args(on_gpu: bool, kv_cache_gb: float, gpu_memory_utilization: float, gpus_per_replica: int,
+                 weight_transfer_backend: str | None, routing_capture: bool) -> dict[str, Any]:
+    """The engine arguments that depend on the device and on the features asked for."""
+    out: dict[str, Any] = {}
+    if routing_capture and on_gpu:
+        out["enable_return_routed_experts"] = True
+    elif routing_capture:  # a cached prompt block is not recomputed, so its routing is not seen
+        out["enable_prefix_caching"] = False
+    if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
+        out["weight_transfer_config"] = {"backend": weight_transfer_backend}
+    if on_gpu:
+        out |= {"gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": gpus_per_replica}
+    else:
+        out["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+    return out
 
 
 class VLLMEngine:
@@ -88,9 +103,8 @@ class VLLMEngine:
         gpus_per_replica: AtLeast1 = 1,
         routing_capture: bool = False,
     ):
-        """routing_capture: each Generation carries the experts every MoE layer chose for every
-        token it computed (`routed_experts`); vLLM's own capture on a GPU, rlexp's worker hook on
-        the CPU (rlexp/rollout/vllm_routing.py, which needs prefix caching off)."""
+        """routing_capture: each Generation carries the experts every MoE layer chose per computed
+        token (`routed_experts`): vLLM's on a GPU, rlexp's worker hook on the CPU (vllm_routing.py)."""
         on_gpu = torch.cuda.is_available()
         kwargs: dict[str, Any] = dict(
             model=model_path,
@@ -112,31 +126,21 @@ class VLLMEngine:
             # it lets a model pad a reply with blank lines up to max_tokens (an engine setting)
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
-        if routing_capture and on_gpu:
-            kwargs["enable_return_routed_experts"] = True
-        elif routing_capture:  # a cached prompt block is not recomputed, so its routing is not seen
-            kwargs["enable_prefix_caching"] = False
-        if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
-            kwargs["weight_transfer_config"] = {"backend": weight_transfer_backend}
-        if on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-            kwargs["tensor_parallel_size"] = gpus_per_replica
-        else:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        kwargs |= _device_args(on_gpu, kv_cache_gb, gpu_memory_utilization, gpus_per_replica,
+                               weight_transfer_backend, routing_capture)
         self._start(kwargs, on_gpu)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
         self.sleeps = enable_sleep_mode and on_gpu
         self.version = 0  # the weights at model_path; the loop names each later version
-        self._ids = itertools.count()
+        self._ids, self.busy = itertools.count(), BusyMeter()
         self._running = asyncio.Event()  # cleared while paused for a weight update
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
-        self.busy = BusyMeter()
         self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
         self.routing_capture = routing_capture
-        self._routing_wanted: dict[str, asyncio.Future] = {}  # request id -> its routing, to fetch
-        self._routing_fetch: asyncio.Future | None = None
+        self._routing_fetcher = vllm_routing.RoutingFetcher(
+            lambda ids: self._call(self.llm.collective_rpc("take_routing", args=(ids,))))
         self._install_capture = routing_capture and not on_gpu  # in the workers, before the first request
 
     def _start(self, kwargs: dict[str, Any], on_gpu: bool) -> None:
@@ -259,30 +263,10 @@ class VLLMEngine:
         return ids, logprobs, top, completion.finish_reason or "abort", version, routing
 
     async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
-        """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the
-        CPU, fetched for all the requests that finish together in one call (one per request
-        cost a step of 256 samples ~0.1 s)."""
+        """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""
         if completion.routed_experts is not None:
             return np.asarray(completion.routed_experts)
-        wanted = asyncio.get_running_loop().create_future()
-        self._routing_wanted[request_id] = wanted
-        if self._routing_fetch is None:
-            self._routing_fetch = asyncio.ensure_future(self._fetch_routing())
-        return vllm_routing.unpack(await wanted)
-
-    async def _fetch_routing(self) -> None:
-        await asyncio.sleep(ROUTING_BATCH_S)  # the requests finishing in the same engine steps join
-        wanted, self._routing_wanted, self._routing_fetch = self._routing_wanted, {}, None
-        try:
-            (taken, *_) = await self._call(self.llm.collective_rpc("take_routing", args=(list(wanted),)))
-        except BaseException as e:
-            for future in wanted.values():
-                if not future.done():
-                    future.set_exception(e)  # each waiting request raises it (EngineDead, ...)
-            return
-        for rid, future in wanted.items():
-            if not future.done():
-                future.set_result(taken[rid])
+        return await self._routing_fetcher.get(request_id)
 
     @contextlib.contextmanager
     def _engine_alive(self):

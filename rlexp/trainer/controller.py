@@ -77,8 +77,7 @@ class TrainController:
         routing_replay: Literal["none", "rollout"] = "none",
     ):
         """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip).
-        critic: builds the value model (trainer.critic, conf/critic/), for advantage=gae.
-        routing_replay: MoE, `rollout`: every forward replays the engine's experts (routing_replay.py)."""
+        critic: the value model (conf/critic/), for advantage=gae. routing_replay: see routing_replay.py."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
@@ -88,8 +87,7 @@ class TrainController:
         self.objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
                                    aggregation or TokenMean(), kl or KLTerm(), mismatch or NoCorrection(),
                                    entropy_coef)
-        self.device = distributed.device()
-        self.ref_kl_every_n_steps = ref_kl_every_n_steps
+        self.device, self.ref_kl_every_n_steps = distributed.device(), ref_kl_every_n_steps
         self.has_ref = self.objective.kl.coef > 0 or ref_kl_every_n_steps > 0
         needs_values = getattr(self.objective.advantage, "needs_values", False)
         if needs_values != (critic is not None):
@@ -109,8 +107,8 @@ class TrainController:
         self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
         # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
         self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
-        # the last forward's share of MoE layers routed unlike the engine, [n, width-1]
-        self.routing_replay, self.routing_differs = routing_replay, None
+        self.routing_replay = routing_replay
+        self.routing_differs: torch.Tensor | None = None  # the last forward's, see routed_forward
 
     # ---- low-level API: `fit` is these calls in order (rlexp/trainer/fit_batch.py) ------
     def prepare(self, batch: list[Sample], version: int) -> FitBatch:
