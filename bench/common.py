@@ -146,3 +146,18 @@ def report_sides(runs: dict[str, list[dict]], blocks: int, steps: int) -> dict[s
         print(f"  {side:6s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "
               f"sync {m['sync']:.3f})  response {m['tokens']:.1f} tokens{rss}")
     return med
+
+
+def two_sided_args(description: str, sides: list[str]):
+    """The command line of a bench that alternates blocks of rlexp steps between `sides`:
+    --steps, --blocks, overrides for both; --side/--out are a child block's (one side, its
+    per-step records written as JSON to --out)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--steps", type=int, default=12, help="steps per block (the first 2 untimed)")
+    p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
+    p.add_argument("overrides", nargs="*", help="config overrides for both sides")
+    p.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args()

@@ -16,7 +16,6 @@ own forward/backward costs. Headline: median PPO step / median GRPO step."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import sys
@@ -37,13 +36,9 @@ def one_block(steps: int, overrides: list[str]) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=12, help="steps per block (the first 2 untimed)")
-    p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
-    p.add_argument("overrides", nargs="*", help="config overrides for both sides")
-    p.add_argument("--side", choices=["grpo", "ppo"], help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    from common import two_sided_args
+
+    args = two_sided_args(__doc__.split("\n")[0], ["grpo", "ppo"])
     if args.side:  # one block, in a child process: its per-step records as JSON into --out
         extra = ["recipe=ppo"] if args.side == "ppo" else []
         Path(args.out).write_text(json.dumps(one_block(args.steps + WARMUP, [*args.overrides, *extra])))

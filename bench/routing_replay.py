@@ -12,7 +12,6 @@ capture and replay / median step with neither."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -25,13 +24,9 @@ SIDES = {"none": ["experiment=moe", "trainer.routing_replay=none", "rollout.rout
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=12, help="steps per block (the first 2 untimed)")
-    p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
-    p.add_argument("overrides", nargs="*", help="config overrides for both sides")
-    p.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)
-    p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    from common import two_sided_args
+
+    args = two_sided_args(__doc__.split("\n")[0], list(SIDES))
     from common import alternate_blocks, report_sides, rlexp_step_times
 
     if args.side:  # one block, in a child process: its per-step records as JSON into --out
