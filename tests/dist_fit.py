@@ -14,8 +14,10 @@ import random
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoConfig
 
 from rlexp.algorithms.advantages import GroupNormalized
 from rlexp.algorithms.aggregation import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
@@ -30,9 +32,11 @@ AGGREGATIONS = {"token_mean": TokenMean(), "seq_mean_token_sum": SeqMeanTokenSum
                 "seq_mean_token_mean": SeqMeanTokenMean(), "seq_mean_token_sum_norm": SeqMeanTokenSumNorm(16)}
 
 
-def make_batch(seed: int, groups: int = 4, per_group: int = 4) -> list[Sample]:
-    """Prompts and responses of random lengths (so ranks get unequal rows), random rewards."""
-    g = random.Random(seed)
+def make_batch(seed: int, groups: int = 4, per_group: int = 4, routing: tuple[int, int, int] | None = None
+               ) -> list[Sample]:
+    """Prompts and responses of random lengths (so ranks get unequal rows), random rewards;
+    with `routing` (MoE layers, experts, k) random expert ids per position, to replay."""
+    g, routing_rng = random.Random(seed), random.Random(-1 - seed)  # the batch is the same with or without
     out = []
     for gid in range(groups):
         for _ in range(per_group):
@@ -42,6 +46,10 @@ def make_batch(seed: int, groups: int = 4, per_group: int = 4) -> list[Sample]:
             s = Sample(group_id=gid, prompt=tokens[:n_prompt], answer="",
                        trace=TokenTrace(tokens, [0] * n_prompt + [1] * n_resp, logprobs, [0] * len(tokens)))
             s.reward, s.status = float(g.random() > 0.5), Status.COMPLETED
+            if routing:
+                layers, experts, k = routing
+                ids = [[routing_rng.sample(range(experts), k) for _ in range(layers)] for _ in tokens[1:]]
+                s.trace.routed_experts = np.array(ids, dtype=np.uint8)
             out.append(s)
     return out
 
@@ -60,7 +68,12 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=40)
     p.add_argument("--kl-where", default="loss", choices=["loss", "reward"])
     p.add_argument("--critic", action="store_true", help="PPO: GAE with a critic")
+    p.add_argument("--routing-replay", action="store_true", help="MoE: replay random routing")
     a = p.parse_args()
+    routing = None
+    if a.routing_replay:
+        config = AutoConfig.from_pretrained(a.model)
+        routing = (config.num_hidden_layers, config.num_experts, config.num_experts_per_tok)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -77,10 +90,12 @@ def main() -> None:
                                   aggregation=AGGREGATIONS[a.aggregation], old_logprobs="recompute",
                                   lora={"rank": a.lora_rank},
                                   advantage=GAE(lam=0.95) if a.critic else GroupNormalized(),
-                                  critic=partial(Critic, optimizer=optimizer) if a.critic else None)
+                                  critic=partial(Critic, optimizer=optimizer) if a.critic else None,
+                                  routing_replay="rollout" if routing else "none")
         if a.load:
             trainer.load(Path(a.load) / f"mb{mb}")
-        metrics = [trainer.fit(make_batch(a.first_seed + i), a.first_seed + i) for i in range(a.fits)]
+        metrics = [trainer.fit(make_batch(a.first_seed + i, routing=routing), a.first_seed + i)
+                   for i in range(a.fits)]
         if a.save:
             (Path(a.save) / f"mb{mb}").mkdir(parents=True, exist_ok=True)
             trainer.save(Path(a.save) / f"mb{mb}")

@@ -121,6 +121,26 @@ def test_ppo_critic_and_lora_policy_on_two_ranks_update_like_one_process(tiny_mo
                 assert m2[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
 
 
+def test_moe_routing_replay_on_two_ranks_updates_like_one_process(tmp_path):
+    """An MoE whose every training forward replays given (random) routing: each rank slices
+    the routing of its own rows, so 1 process with one micro-batch and 2 ranks with 40-token
+    micro-batches give the same weights and the same routing mismatch (near 1: random ids)."""
+    from rlexp.models.arch import build_arch_model
+
+    moe = build_arch_model("qwen3_moe", str(tmp_path / "moe"), seed=0)
+    one = _fit(moe, tmp_path / "one.pt", "--fits", "2", "--routing-replay", "--micro-batch-tokens", "100000")
+    two = _fit(moe, tmp_path / "two.pt", "--fits", "2", "--routing-replay", ranks=2)
+    free = _fit(moe, tmp_path / "free.pt", "--fits", "2", "--minibatches", "1")
+    for mb in (1, 2):
+        diff = _max_diff(one[mb]["weights"], two[mb]["weights"])
+        print(f"MoE, routing replayed, minibatches={mb}: max |w1 - w2| = {diff:.2e}")
+        assert diff < 1e-5
+        for m1, m2 in zip(one[mb]["metrics"], two[mb]["metrics"]):
+            key = "train/routing_mismatch_frac"
+            assert m2[key] == pytest.approx(m1[key], abs=1e-6) and m1[key] > 0.5
+    assert _max_diff(one[1]["weights"], free[1]["weights"]) > 1e-4  # the replayed routing is what trained
+
+
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two(runs, minibatches):
     straight = runs["R3"][minibatches]["weights"]

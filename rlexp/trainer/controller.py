@@ -34,14 +34,14 @@ from rlexp.algorithms.kl import KLTerm, kl_estimate
 from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
 from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip, TokenInputs
-from rlexp.constraints import AtLeast0, AtLeast1, Dtype, Positive
+from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed, fit_metrics
 from rlexp.trainer.critic import Critic, critic_report
 from rlexp.trainer.fit_batch import FitBatch, Piece
 from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
 from rlexp.trainer.policy import build_policy
-from rlexp.trainer.routing_replay import routed_forward
+from rlexp.trainer.routing_replay import MoERouting
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE
@@ -75,9 +75,10 @@ class TrainController:
         lora: dict | None = None,
         critic: Callable[..., Critic] | None = None,
         routing_replay: Literal["none", "rollout"] = "none",
+        router_aux_loss_coef: NonNegative = 0.0,
     ):
-        """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip).
-        critic: the value model (conf/critic/), for advantage=gae. routing_replay: see routing_replay.py."""
+        """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip);
+        critic: for advantage=gae; routing_replay, router_aux_loss_coef: see routing_replay.py."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
@@ -105,10 +106,8 @@ class TrainController:
         self.temperature, self.max_grad_norm = temperature, max_grad_norm
         # which logprobs the ratio is taken against: the rollout's, or these weights' (a forward)
         self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
-        # how the batch is cut: optimizer steps per fit, tokens per padded micro-batch
-        self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens
-        self.routing_replay = routing_replay
-        self.routing_differs: torch.Tensor | None = None  # the last forward's, see routed_forward
+        self.minibatches_per_step, self.micro_batch_tokens = minibatches_per_step, micro_batch_tokens  # cuts
+        self.moe = MoERouting(self.model, routing_replay, router_aux_loss_coef)  # MoE models' routing
 
     # ---- low-level API: `fit` is these calls in order (rlexp/trainer/fit_batch.py) ------
     def prepare(self, batch: list[Sample], version: int) -> FitBatch:
@@ -136,8 +135,8 @@ class TrainController:
         """The logprobs the ratio is taken against: the rollout's, or these weights' before the
         update (a forward) with `old_logprobs=recompute` or an objective that needs them."""
         if fb.tokens is not None:
-            behav = fb.tokens.behav_logprobs.to(self.device)
-            fb.old = self._logprobs(self.model, fb.tokens, fb.my_pieces) if self.recompute else behav
+            fb.old = (self._logprobs(self.model, fb.tokens, fb.my_pieces) if self.recompute
+                      else fb.tokens.behav_logprobs.to(self.device))
         return fb.old
 
     @torch.no_grad()
@@ -259,7 +258,8 @@ class TrainController:
         """Logprobs (and entropies) of the predicted tokens of rows `idx`, [n, width-1]."""
         ids = tb.input_ids[idx, :width].to(self.device)
         routed = tb.routed[idx, :width].to(self.device) if tb.routed is not None else None
-        out, self.routing_differs = routed_forward(model, ids, routed, self.routing_replay == "rollout")
+        real = torch.arange(width)[None] < torch.tensor(tb.lengths)[idx, None] - 1  # predicting positions
+        out = self.moe.forward(model, ids, routed, real.to(self.device))
         logits = out.logits[:, :-1].float() / self.temperature
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
@@ -337,10 +337,10 @@ class TrainController:
         n_mb = len(plan)
         behav = tb.behav_logprobs.to(self.device)
         frozen = self.critic is not None and self.fits_done < self.critic.critic_only_steps
-        # No advantage and no KL or entropy term: the gradient is zero. An optimizer step would
+        # No advantage and no KL, entropy or aux term: the gradient is zero. An optimizer step would
         # still move the weights on Adam's momentum, so skip it (the forwards still run and log).
         no_signal = (not (adv * tb.loss_mask.to(self.device)).abs().sum() and not self.objective.kl.in_loss
-                     and not self.objective.entropy_coef)
+                     and not self.objective.entropy_coef and not self.moe.aux_coef)
         levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))  # read on the host: no sync
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
@@ -384,13 +384,15 @@ class TrainController:
             mask = tb.loss_mask[idx, cols].to(dev) if real else torch.zeros_like(logp)
             x = TokenInputs(logp, old[idx_d, cols], behav[idx_d, cols], adv[idx_d, cols], mask)
             loss_tok, terms = self.objective.token_loss(x, ent, ref[idx_d, cols] if ref is not None else None)
-            self.objective.aggregate(loss_tok, mask, totals).backward()
+            aux = self.moe.loss_term(part, mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
+            (self.objective.aggregate(loss_tok, mask, totals) + aux).backward()
+            self.moe.release()  # its routers' recomputation (checkpointing) is done
             fit_metrics.add_maxima(maxes, terms, mask)
             # Before the first optimizer step the trainer holds the rollout policy, so this is
             # the trainer/engine numerical mismatch (0 up to float error when on-policy).
             if first:
                 terms["mismatch_kl"] = kl_estimate(logp, x.old_logp, "k3")
-                if (differs := self.routing_differs) is not None:
+                if (differs := self.moe.differs) is not None:
                     terms["routing_mismatch_frac"] = differs
                 stale = tb.staleness[idx, cols].to(dev)
                 fit_metrics.offpolicy_sums(part, logp.detach(), x.behav_logp, stale, mask, levels)
