@@ -9,17 +9,19 @@ the engine's logprobs, shifted ids move them.
 from __future__ import annotations
 
 import asyncio
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import replace
 
 import pytest
 import torch
 
 from rlexp.chat.render import render_prompt
-from rlexp.sample import SamplingConfig
+from rlexp.sample import Sample, SamplingConfig
 from rlexp.trainer.routing_replay import replay_routing, replayed, routers
+from tests.conftest import vllm_on_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,30 @@ def moe_path(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def rollouts(moe_path):
-    """dtype -> (prompts, generations with routing), each engine started once."""
+def engines(moe_path):
+    """dtype -> (engine, run): a vLLM engine with routing capture on a background loop (see
+    conftest.vllm_on_thread); one alive at a time, asking for another dtype stops the last."""
+    live: dict[str, tuple] = {}
+    stack = ExitStack()
+
+    def get(dtype: str):
+        nonlocal stack
+        if dtype not in live:
+            stack.close()
+            live.clear()
+            stack = ExitStack()
+            live[dtype] = stack.enter_context(vllm_on_thread(
+                moe_path, 600, seed=0, max_model_len=1024, kv_cache_gb=0.25, max_num_seqs=8,
+                max_response_tokens=128, routing_capture=True, dtype=dtype))
+        return live[dtype]
+
+    yield get
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def rollouts(moe_path, engines):
+    """dtype -> (prompts, generations with routing), generated once."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(moe_path)
@@ -41,25 +65,15 @@ def rollouts(moe_path):
 
     def get(dtype: str):
         if dtype not in made:
-            made[dtype] = (prompts, _generate(moe_path, prompts, dtype))
+            engine, run = engines(dtype)
+
+            async def sample():
+                return await asyncio.gather(*(engine.generate(p, SamplingConfig(1.0, 1.0, 12, seed=i))
+                                              for i, p in enumerate(prompts)))
+            made[dtype] = (prompts, run(sample()))
         return made[dtype]
 
     return get
-
-
-def _generate(path: str, prompts: list[list[int]], dtype: str):
-    from rlexp.rollout.vllm_engine import VLLMEngine
-
-    async def go():
-        engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=8,
-                            routing_capture=True, dtype=dtype)
-        try:
-            return await asyncio.gather(*(engine.generate(p, SamplingConfig(1.0, 1.0, 12, seed=i))
-                                          for i, p in enumerate(prompts)))
-        finally:
-            engine.shutdown()
-
-    return asyncio.run(go())
 
 
 def _forward(model, tokens: list[int], routed: torch.Tensor | None = None):
@@ -77,40 +91,85 @@ def _forward(model, tokens: list[int], routed: torch.Tensor | None = None):
     return logp, torch.stack(seen, dim=1)
 
 
+def _chat_over_http(moe_path: str, engine, run) -> Sample:
+    """Three requests of one session from the `openai` client through rlexp's HTTP server
+    (the path of agent=openai; agent=tool and agent=multiturn use the same sessions), a tool
+    offered, "Are you sure?" between them: the session's sample."""
+    import httpx
+    import openai
+    from transformers import AutoTokenizer
+
+    from rlexp.chat.client import SessionStore
+    from rlexp.chat.server import ChatServer
+
+    store = SessionStore(engine, AutoTokenizer.from_pretrained(moe_path), max_context=engine.max_model_len)
+
+    async def chat():
+        server = ChatServer(store)
+        await server.start()
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        sid = (await client.post("/sessions", cast_to=httpx.Response)).json()["session_id"]
+        messages = [{"role": "user", "content": "12+34="}]
+        try:
+            for turn in range(3):
+                r = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=TOOLS, seed=turn, max_tokens=40,
+                    extra_body={"session_id": sid})
+                messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                             {"role": "user", "content": "Are you sure?"}]
+        finally:
+            await server.stop()
+        return store.close(sid)
+
+    (sample,) = run(chat()).to_samples(Sample(group_id=0, prompt=[], answer="46"))
+    assert sum(t["role"] == "assistant" for t in sample.trace.turns) == 3
+    return sample
+
+
+def _compare(model, tokens: list[int], routing, engine_lp: torch.Tensor, scored: torch.Tensor):
+    """(pairs agreeing, pairs, max |logprob - engine's| with free / replayed / shifted routing)
+    over the positions `scored` [len(tokens) - 1] bool."""
+    config = model.config
+    routing = torch.as_tensor(routing.astype("int64"))
+    assert routing.shape == (len(tokens) - 1, config.num_hidden_layers, config.num_experts_per_tok)
+    free_lp, own = _forward(model, tokens)
+    # the same experts per token and layer (the order within the top-k may differ)
+    same = (routing.sort(-1).values == own.reshape(routing.shape).sort(-1).values).all(-1)
+    diffs = [(lp - engine_lp)[scored].abs().max().item()
+             for lp in (free_lp, _forward(model, tokens, routing)[0],
+                        _forward(model, tokens, (routing + 1) % config.num_experts)[0])]
+    return int(same.sum()), same.numel(), *diffs
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_captured_routing_is_the_models_and_replaying_it_gives_vllms_logprobs(moe_path, rollouts, dtype):
+def test_captured_routing_is_the_models_and_replaying_it_gives_vllms_logprobs(moe_path, engines, rollouts,
+                                                                              dtype):
+    """Single-turn (3 prompts) and a 3-turn chat over HTTP, whose routing is stitched across
+    its requests. The control: replaying shifted ids must move the logprobs."""
     from transformers import AutoModelForCausalLM
 
     prompts, gens = rollouts(dtype)
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=getattr(torch, dtype)).eval()
-    config = model.config
-    agree = total = 0
-    free_vs_engine = replay_vs_engine = shifted_move = 0.0
-    for prompt, g in zip(prompts, gens):
-        tokens = prompt + g.token_ids
-        routing = torch.as_tensor(g.routed_experts.astype("int64"))
-        assert routing.shape == (len(tokens) - 1, config.num_hidden_layers, config.num_experts_per_tok)
-        engine_lp = torch.tensor(g.logprobs)
-        free_lp, own = _forward(model, tokens)
-        # the same experts per token and layer (the order within the top-k may differ)
-        same = (routing.sort(-1).values == own.reshape(routing.shape).sort(-1).values).all(-1)
-        agree, total = agree + int(same.sum()), total + same.numel()
-        replay_lp, _ = _forward(model, tokens, routing)
-        shifted_lp, _ = _forward(model, tokens, (routing + 1) % config.num_experts)
-        gen = slice(len(prompt) - 1, None)
-        free_vs_engine = max(free_vs_engine, (free_lp[gen] - engine_lp).abs().max().item())
-        replay_vs_engine = max(replay_vs_engine, (replay_lp[gen] - engine_lp).abs().max().item())
-        shifted_move = max(shifted_move, (shifted_lp[gen] - engine_lp).abs().max().item())
-    print(f"\n[moe] {dtype}: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; "
-          f"max |logprob - vLLM's|: free routing {free_vs_engine:.2e}, replayed {replay_vs_engine:.2e}, "
-          f"replayed ids + 1 (mod experts) {shifted_move:.2e}")
-    if dtype == "float32":  # measured: 180/180; 9.5e-7 both; 9.8e-2
-        assert agree == total
-        assert replay_vs_engine < 1e-4 and free_vs_engine < 1e-4
-    else:  # measured: 176/180 (near-ties flip in bf16); free 2.0e-2, replayed 2.4e-3; 1.0e-1
-        assert agree >= 0.9 * total
-        assert replay_vs_engine <= free_vs_engine  # replay removes the routing flips' share
-    assert shifted_move > 10 * max(replay_vs_engine, 1e-3)  # the replayed ids are what the logprobs follow
+    single = [_compare(model, p + g.token_ids, g.routed_experts,
+                       torch.tensor([0.0] * (len(p) - 1) + g.logprobs),
+                       torch.arange(len(p) + len(g.token_ids) - 1) >= len(p) - 1)
+              for p, g in zip(prompts, gens)]
+    s = _chat_over_http(moe_path, *engines(dtype))
+    multi = _compare(model, s.tokens, s.trace.routed_experts, torch.tensor(s.logprobs[1:]),
+                     torch.tensor(s.loss_mask[1:]).bool())
+    for name, rows in (("single-turn", single), ("3-turn chat", [multi])):
+        agree, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        free, replay, shifted = (max(r[i] for r in rows) for i in (2, 3, 4))
+        print(f"\n[moe] {dtype}, {name}: captured = trainer's top-k on {agree}/{total} (token, layer) pairs; "
+              f"max |logprob - vLLM's|: free routing {free:.2e}, replayed {replay:.2e}, "
+              f"replayed ids + 1 (mod experts) {shifted:.2e}")
+        if dtype == "float32":  # measured single-turn: 180/180; 9.5e-7 both; 9.8e-2
+            assert agree == total
+            assert replay < 1e-4 and free < 1e-4
+        else:  # measured single-turn: 176/180 (near-ties flip in bf16); free 2.0e-2, replayed 2.4e-3; 1.0e-1
+            assert agree >= 0.9 * total
+            assert replay <= free  # replay removes the routing flips' share
+        assert shifted > 10 * max(replay, 1e-3)  # the replayed ids are what the logprobs follow
 
 
 def test_replayed_weights_are_the_softmax_at_the_given_experts_renormalised():
@@ -166,14 +225,12 @@ def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatc
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_vllms_own_capture_gives_the_routing_the_trainer_computes(moe_path):
+def test_on_a_gpu_vllms_own_capture_gives_the_routing_the_trainer_computes(moe_path, rollouts):
     """rollout.routing_capture on a GPU: vLLM's public `enable_return_routed_experts` (its V2
     model runner), the same [positions, layers, k] the trainer's own routing has (fp32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(moe_path)
-    prompts = [render_prompt(tok, [{"role": "user", "content": "What is 12+3?"}])]
-    (g,) = _generate(moe_path, prompts, "float32")
+    prompts, (g, *_) = rollouts("float32")
     model = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32).cuda().eval()
     tokens = prompts[0] + g.token_ids
     _, own = _forward(model.cpu(), tokens)

@@ -1,5 +1,6 @@
-"""MoE routing data on hand-made arrays, no engine: how a trace stitches its generations'
-routing (rlexp/sample.py: stitch_routing), the expert-load metrics (rlexp/metrics.py)."""
+"""MoE routing without an engine: how a trace stitches its generations' routing
+(rlexp/sample.py: stitch_routing), the expert-load metrics (rlexp/metrics.py), the router's
+load-balancing loss and replay under gradient checkpointing (rlexp/trainer/routing_replay.py)."""
 
 import numpy as np
 import pytest
