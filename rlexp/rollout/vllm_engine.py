@@ -23,6 +23,7 @@ from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout import reaper, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.sample import Generation, SamplingConfig, stitch_routing
 from rlexp.weights.protocols import EngineProcess, in_process
 
@@ -142,6 +143,8 @@ class VLLMEngine:
         self._routing_fetcher = vllm_routing.RoutingFetcher(
             lambda ids: self._call(self.llm.collective_rpc("take_routing", args=(ids,))))
         self._install_capture = routing_capture and not on_gpu  # in the workers, before the first request
+        self.model_path = model_path
+        self._placeholders: ImagePlaceholders | None = None  # made at the first image prompt
 
     def _start(self, kwargs: dict[str, Any], on_gpu: bool) -> None:
         """vLLM's IPC sockets go into a directory of this engine's, so that a later run can
@@ -159,14 +162,18 @@ class VLLMEngine:
         orphans.own(self._temp, reaper.new_temp_files(before, names_before))
         log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list[Any] | None = None) -> Generation:
         """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
         continues from the tokens it has under the new weights (partial rollout); a completion
-        whose distribution depends on the reply so far (a grammar, penalties) restarts instead."""
-        return await self.generate_streaming(token_ids, sampling, None)
+        whose distribution depends on the reply so far (a grammar, penalties) restarts instead.
+        `images` (a vision-language model's; PIL images): one per image in `token_ids`, in
+        order, whose placeholder tokens the processor has already expanded."""
+        return await self.generate_streaming(token_ids, sampling, None, images)
 
     async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
-                                 on_tokens: Callable[[list[int], list[float]], None] | None) -> Generation:
+                                 on_tokens: Callable[[list[int], list[float]], None] | None,
+                                 images: list[Any] | None = None) -> Generation:
         """`generate`, calling `on_tokens(ids, logprobs)` with each engine step's new tokens as
         they come (a restarted completion's tokens are reported again from its start)."""
         ids: list[int] = []
@@ -182,7 +189,7 @@ class VLLMEngine:
                 hash((sampling.seed, segment)) & 0x7FFFFFFF
             rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
             new_ids, new_lps, new_top, finish, version, new_routing = await self._request(
-                list(token_ids) + ids, rest, on_tokens)
+                list(token_ids) + ids, rest, on_tokens, images)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.depends_on_the_reply:
                 ids, logprobs, versions, top = [], [], [], []
@@ -221,8 +228,17 @@ class VLLMEngine:
         )
 
     async def _request(self, token_ids: list[int], sampling: SamplingConfig,
-                       on_tokens: Callable[[list[int], list[float]], None] | None = None):
+                       on_tokens: Callable[[list[int], list[float]], None] | None = None,
+                       images: list[Any] | None = None):
+        from vllm.inputs import TokensPrompt
+
         params = self._params(sampling)
+        prompt: TokensPrompt = {"prompt_token_ids": token_ids}
+        if images:
+            if self._placeholders is None:
+                self._placeholders = ImagePlaceholders(self.model_path)
+            prompt = {"prompt_token_ids": self._placeholders.collapse(token_ids, len(images)),
+                      "multi_modal_data": {"image": list(images)}}
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
             await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
@@ -235,9 +251,7 @@ class VLLMEngine:
         self.busy.enter()
         try:
             with self._engine_alive():
-                async for out in self.llm.generate(
-                    {"prompt_token_ids": token_ids}, params, request_id=request_id
-                ):
+                async for out in self.llm.generate(prompt, params, request_id=request_id):
                     if final is None:
                         # Read at the first output, not at submission: a request that reached the
                         # engine while it was paused runs after the update, on the new weights.
@@ -252,6 +266,9 @@ class VLLMEngine:
             count_generated(counted)
             self.busy.tokens += counted
         assert final is not None
+        if images and list(final.prompt_token_ids or []) != list(token_ids):
+            raise ValueError("image prompt: vLLM expanded the images into other tokens than the prompt's "
+                             f"({len(final.prompt_token_ids or [])} tokens, not {len(token_ids)})")
         completion = final.outputs[0]
         ids = list(completion.token_ids)
         steps = [step for step in completion.logprobs or [] if step is not None]
@@ -316,6 +333,8 @@ class VLLMEngine:
     async def weights_loaded(self, version: int) -> None:
         """New weights are in place (by whatever transport): from now on tokens carry `version`."""
         await self._call(self.llm.reset_prefix_cache())  # cached KV was computed by the old weights
+        if self.llm.model_config.is_multimodal_model:  # so were the cached image encodings (and
+            await self._call(self.llm.reset_encoder_cache())  # a seen image would miss: the engine dies)
         self.version = version
 
     # vLLM's native weight transfer (rlexp/weights/vllm_ipc.py, vllm_nccl.py): the engine's side of
