@@ -34,8 +34,10 @@ class RolloutEngine(Protocol):
     max_model_len: int  # prompt + response tokens one request may hold
     busy: BusyMeter  # seconds with at least one request in flight, tokens generated
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
-        """One completion; every token carries the version of the weights that produced it."""
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list[Any] | None = None) -> Generation:
+        """One completion; every token carries the version of the weights that produced it.
+        `images`: a vision-language model's, one per image in `token_ids` (expanded there)."""
         ...
 
     async def pause(self, interrupt: bool) -> None:

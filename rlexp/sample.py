@@ -166,6 +166,11 @@ class Sample:
     status: Status = Status.INIT
     metadata: dict[str, Any] = field(default_factory=dict)
     uid: int = -1  # numbered by the DataManager that drew it (unique in its split); -1: made by hand
+    # A vision-language model's images, in the order their tokens sit in the trace. What the
+    # engine takes (`images`: PIL images) and what the trainer's forward takes (the processor's
+    # `pixel_values` [images, 3, H, W] and `pixel_attention_mask` [images, H, W]).
+    mm_infer_info: dict[str, Any] | None = None
+    mm_train_info: dict[str, Any] | None = None
 
     # Read-only views of the trace's lists (the trace alone writes them).
     tokens = _FromTrace[list[int]]("tokens")

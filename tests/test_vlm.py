@@ -1,7 +1,9 @@
-"""A vision-language model (rlexp/models/vlm.py: SmolVLM's layout, no torchvision anywhere):
-vLLM serves image prompts through rlexp's engine with the logprobs transformers computes, and
-after a weight push (vision tower included) it serves the new weights, for a seen image too
-(the engine resets vLLM's encoder and prefix caches).
+"""A vision-language model (rlexp/models/vlm.py: SmolVLM's layout, no torchvision anywhere),
+one vLLM engine for the module: it serves image prompts through rlexp's engine with the
+logprobs transformers computes, and after a weight push (vision tower included) the new
+weights, for a seen image too (the engine resets vLLM's encoder and prefix caches); the
+single-turn agent keeps each sample's images and pixel inputs, and the trainer's forward
+takes them.
 
     .venv/bin/pytest tests/test_vlm.py -s     # prints the figures ([vlm] lines)
 """
@@ -9,12 +11,14 @@ after a weight push (vision tower included) it serves the new weights, for a see
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
 from rlexp.sample import SamplingConfig
+from tests.conftest import vllm_on_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -24,6 +28,28 @@ def vlm_path(tmp_path_factory) -> str:
     from rlexp.models.vlm import build_vlm_model
 
     return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm(vlm_path, tmp_path_factory):
+    """The engine, and `reset()`: push the built weights back (a test that pushed others)."""
+    from rlexp.weights.files import save_safetensors
+
+    with vllm_on_thread(vlm_path, 600, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=8,
+                        dtype="float32", max_response_tokens=10) as (engine, run):
+        built = tmp_path_factory.mktemp("built")
+        save_safetensors(_model(vlm_path).state_dict().items(), built)
+
+        def reset():
+            run(engine.load_weights(built, version=engine.version + 1))
+
+        yield SimpleNamespace(engine=engine, run=run, reset=reset)
+
+
+def _model(path: str):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _image(circles: int, color: str) -> Image.Image:
@@ -40,18 +66,14 @@ def _prompts(path: str):
 
     processor = AutoProcessor.from_pretrained(path)
     out = []
-    for images, question in (
-        ([_image(2, "red")], "How many circles?"),
-        ([_image(3, "blue"), _image(1, "green")], "Which picture has more?"),
-    ):
+    for images, question in (([_image(2, "red")], "How many circles?"),
+                             ([_image(3, "blue"), _image(1, "green")], "Which picture has more?")):
         content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
-        text = processor.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True
-        )
-        enc = processor(text=text, images=images, return_tensors="pt")
-        out.append(
-            (enc["input_ids"][0].tolist(), images, {k: v for k, v in enc.items() if k.startswith("pixel")})
-        )
+        messages = [{"role": "user", "content": content}]
+        enc = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=images,
+                        return_tensors="pt")
+        pixels = {k: v for k, v in enc.items() if k.startswith("pixel")}
+        out.append((enc["input_ids"][0].tolist(), images, pixels))
     return out
 
 
@@ -71,65 +93,89 @@ def _logprobs(model, ids: list[int], pixels: dict) -> torch.Tensor:
 
 
 def test_vllm_serves_image_prompts_with_the_trainers_logprobs_before_and_after_a_weight_push(
-    vlm_path, tmp_path
-):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+        vllm, vlm_path, tmp_path):
+    from transformers import AutoProcessor
 
-    from rlexp.rollout.vllm_engine import VLLMEngine
     from rlexp.weights.files import save_safetensors
 
+    vllm.reset()
     prompts = _prompts(vlm_path)
-    model = AutoModelForImageTextToText.from_pretrained(vlm_path, dtype=torch.float32).eval()
+    model = _model(vlm_path)
     image_id = AutoProcessor.from_pretrained(vlm_path).tokenizer.convert_tokens_to_ids("<image>")
     assert [ids.count(image_id) for ids, _, _ in prompts] == [4, 8]
 
-    async def sample(engine):
-        return await asyncio.gather(
-            *(
-                engine.generate(ids, SamplingConfig(1.0, 1.0, 10, seed=i), images)
-                for i, (ids, images, _) in enumerate(prompts)
-            )
-        )
+    async def sample():
+        return await asyncio.gather(*(vllm.engine.generate(ids, SamplingConfig(1.0, 1.0, 10, seed=i), images)
+                                      for i, (ids, images, _) in enumerate(prompts)))
 
     def worst(gens) -> float:
-        return max(
-            (_logprobs(model, ids + g.token_ids, px)[len(ids) - 1 :] - torch.tensor(g.logprobs))
-            .abs()
-            .max()
-            .item()
-            for (ids, _, px), g in zip(prompts, gens)
-        )
+        return max((_logprobs(model, ids + g.token_ids, px)[len(ids) - 1:] - torch.tensor(g.logprobs))
+                   .abs().max().item() for (ids, _, px), g in zip(prompts, gens))
 
-    async def go():
-        engine = VLLMEngine(
-            vlm_path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=8, dtype="float32"
-        )
-        try:
-            before = await sample(engine)
-            parity_before = worst(before)
-            with torch.no_grad():  # a "trained" model: every tensor moved, the vision tower's too
-                g = torch.Generator().manual_seed(1)
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.std().clamp(min=1e-2))
-            save_safetensors(model.state_dict().items(), tmp_path)  # lm_head too: vLLM keeps its own
-            await engine.load_weights(tmp_path, version=1)
-            after = await sample(engine)  # the same images: cached encodings would be stale
-            return before, parity_before, after, worst(after)
-        finally:
-            engine.shutdown()
-
-    before, parity_before, after, parity_after = asyncio.run(go())
-    stale = max(
-        (_logprobs(model, ids + g.token_ids, px)[len(ids) - 1 :] - torch.tensor(g.logprobs))
-        .abs()
-        .max()
-        .item()
-        for (ids, _, px), g in zip(prompts, before)
-    )
-    print(
-        f"\n[vlm] fp32, 2 image prompts (1 and 2 images): max |logprob - transformers'| {parity_before:.2e} "
-        f"before a weight push, {parity_after:.2e} after it; the old weights' logprobs under the new "
-        f"model {stale:.2e}"
-    )
+    before = vllm.run(sample())
+    parity_before = worst(before)
+    with torch.no_grad():  # a "trained" model: every tensor moved, the vision tower's too
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.std().clamp(min=1e-2))
+    save_safetensors(model.state_dict().items(), tmp_path)  # lm_head too: vLLM keeps its own
+    vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
+    after = vllm.run(sample())  # the same images: cached encodings would be stale (or missed)
+    parity_after, stale = worst(after), worst(before)
+    print(f"\n[vlm] fp32, 2 image prompts (1 and 2 images): max |logprob - transformers'| "
+          f"{parity_before:.2e} before a weight push, {parity_after:.2e} after it; the old weights' logprobs under the new "
+          f"model {stale:.2e}")
     assert parity_before < 1e-4 and parity_after < 1e-4
     assert stale > 100 * max(parity_after, 1e-5)  # the push changed what the engine serves
+
+
+def _image_samples(n: int):
+    from rlexp.sample import Sample
+
+    return [Sample(group_id=0, uid=i, answer=str(1 + i % 3), reward=float(i % 2),
+                   prompt=[{"role": "user", "content": [{"type": "image", "image": _image(1 + i % 3, "red")},
+                                                        {"type": "text", "text": "How many circles?"}]}])
+            for i in range(n)]
+
+
+def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(vllm, vlm_path, tmp_path):
+    """agent=single_turn renders image prompts through the processor (the sample keeps the
+    images and their pixel inputs); the trainer's forward takes the pixels (logprobs equal the
+    engine's), trains, and its weights pushed to the engine are what the engine then serves."""
+    from functools import partial
+
+    from transformers import AutoTokenizer
+
+    from rlexp.agents.single_turn import SingleTurnAgent
+    from rlexp.judges.math_exact import MathExactJudge
+    from rlexp.sample import Status
+    from rlexp.trainer.controller import TrainController
+    from rlexp.weights.files import save_safetensors
+
+    vllm.reset()
+    trainer = TrainController(vlm_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
+                              optimizer=partial(torch.optim.SGD, lr=0.5))
+    agent = SingleTurnAgent(vllm.engine, AutoTokenizer.from_pretrained(vlm_path), MathExactJudge())
+
+    def worst(samples) -> float:
+        ours = trainer.sample_logprobs(samples)
+        return max((lp - torch.tensor(s.logprobs))[torch.tensor(s.loss_mask).bool()].abs().max().item()
+                   for s, lp in zip(samples, ours))
+
+    async def rollouts():
+        return await asyncio.gather(*(agent.rollout(s) for s in _image_samples(4)))
+
+    before = vllm.run(rollouts())
+    assert all(s.status == Status.COMPLETED and s.mm_train_info["pixel_values"].shape[0] == 1 for s in before)
+    parity_before = worst(before)
+    for s in before:
+        s.reward = float(s.uid % 2)  # a signal to train on, whatever the judge said
+    metrics = trainer.fit(before, version=0)
+    save_safetensors(trainer.weights(), tmp_path)
+    vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
+    parity_after, moved = worst(vllm.run(rollouts())), worst(before)
+    print(f"\n[vlm] trainer vs engine, single-turn image samples: max |logprob diff| {parity_before:.2e} "
+          f"before a step, {parity_after:.2e} after it and a weight push (the old samples now {moved:.2e} "
+          f"off)")
+    assert metrics["train/skipped_step"] == 0.0
+    assert parity_before < 1e-4 and parity_after < 1e-4 and moved > 100 * max(parity_after, 1e-5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rlexp.chat.images import ImagePrompts, images_of
 from rlexp.chat.render import encode, render_prompt_text
 from rlexp.protocols import Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
@@ -47,11 +48,16 @@ class SingleTurnAgent:
         self.judge = judge
         self.sampling = sampling or engine.sampling
         self.render = PromptCache(tokenizer)
+        self.render_images = ImagePrompts(tokenizer)
 
     async def rollout(self, sample: Sample) -> Sample:
-        text, prompt = self.render(sample.prompt)
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
-        gen = await self.engine.generate(prompt, sampling)
+        if images_of(sample.prompt):  # a vision-language model's prompt
+            text, prompt, sample.mm_infer_info, sample.mm_train_info = self.render_images(sample.prompt)
+            gen = await self.engine.generate(prompt, sampling, sample.mm_infer_info["images"])
+        else:
+            text, prompt = self.render(sample.prompt)
+            gen = await self.engine.generate(prompt, sampling)
         sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         sample.trace = TokenTrace()
         sample.trace.append(prompt, role="prompt", text=text)

@@ -49,8 +49,9 @@ class EngineReplica:
 
         return ray.get_runtime_context().get_node_id(), os.getpid(), self.engine.version
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
-        return await self.engine.generate(token_ids, sampling)
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list | None = None) -> Generation:
+        return await self.engine.generate(token_ids, sampling, images)
 
     async def pause(self, interrupt: bool) -> None:
         await self.engine.pause(interrupt)
@@ -132,7 +133,8 @@ class RolloutPool:
             self._sticky[id(key)] = i
         return i
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list | None = None) -> Generation:
         key = conversation.get()
         failed: set[int] = set()
         while True:
@@ -145,7 +147,7 @@ class RolloutPool:
                     continue
                 raise EngineDead(f"every rollout replica died ({len(self.actors)}; Ray restarts "
                                  "exhausted, see cluster.max_restarts)")
-            ref = self.actors[i].generate.remote(token_ids, sampling)
+            ref = self.actors[i].generate.remote(token_ids, sampling, images)
             self._enter(i)
             try:
                 gen = await ref

@@ -52,7 +52,10 @@ class HFEngine:
         self._running.set()
         self.busy = BusyMeter()
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list | None = None) -> Generation:
+        if images:
+            raise ValueError("the HF engine takes no images: use rollout=vllm")
         if sampling.requested():
             raise ValueError(f"the HF engine samples with temperature and top_p only, not "
                              f"{', '.join(sampling.requested())}: use rollout=vllm")

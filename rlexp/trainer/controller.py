@@ -256,10 +256,10 @@ class TrainController:
 
     def _forward(self, model, tb: TokenBatch, idx: torch.Tensor, width: int, entropy: bool = False):
         """Logprobs (and entropies) of the predicted tokens of rows `idx`, [n, width-1]."""
-        ids = tb.input_ids[idx, :width].to(self.device)
+        inputs = tb.model_inputs(idx, width, self.device)
         routed = tb.routed[idx, :width].to(self.device) if tb.routed is not None else None
         real = torch.arange(width)[None] < torch.tensor(tb.lengths)[idx, None] - 1  # predicting positions
-        out = self.moe.forward(model, ids, routed, real.to(self.device))
+        out, ids = self.moe.forward(model, inputs, routed, real.to(self.device)), inputs["input_ids"]
         logits = out.logits[:, :-1].float() / self.temperature
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]

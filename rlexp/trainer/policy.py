@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from rlexp.models.local import resolve_dtype
 from rlexp.trainer import distributed
@@ -21,7 +21,9 @@ def build_policy(model_path: str, dtype: str, gradient_checkpointing: bool, mixe
                  lora: dict | None, device: torch.device, keep_ref: bool):
     """(model, its frozen reference or None, LoRA's scaling or None for full fine-tuning).
     With LoRA the reference is the model with its adapters off: no copy is kept."""
-    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, resolve_dtype(dtype)))
+    vision = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")  # a vision-language model
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model: Any = auto.from_pretrained(model_path, dtype=getattr(torch, resolve_dtype(dtype)))
     if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}

@@ -148,16 +148,17 @@ class MoERouting:
         self._current: Routing | None = None
         self._hooked: set[int] = set()
 
-    def forward(self, model: torch.nn.Module, ids: torch.Tensor, routed: torch.Tensor | None,
+    def forward(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], routed: torch.Tensor | None,
                 real: torch.Tensor):
-        """`model(input_ids=ids)` under the engine's routing `routed` [rows, positions, layers,
-        k] (replayed, or only compared without replay); sets `differs` (per predicting
-        position, the share of MoE layers whose own top-k differs from the engine's; None
-        without routing) and, in a forward that records gradients, `aux` over the positions
-        `real` [rows, positions]."""
+        """`model(**inputs)` (`input_ids` [rows, positions], ...) under the engine's routing
+        `routed` [rows, positions, layers, k] (replayed, or only compared without replay); sets
+        `differs` (per predicting position, the share of MoE layers whose own top-k differs
+        from the engine's; None without routing) and, in a forward that records gradients,
+        `aux` over the positions `real` [rows, positions]."""
+        ids = inputs["input_ids"]
         if not self.n_layers:
             self.differs = self.aux = None
-            return model(input_ids=ids, use_cache=False)
+            return model(**inputs, use_cache=False)
         if id(model) not in self._hooked:  # the policy and, without LoRA, the reference copy
             _check_layers(model, routed)
             _hook_routers(model, lambda: self._current)
@@ -165,7 +166,7 @@ class MoERouting:
         wants_aux = bool(self.aux_coef) and torch.is_grad_enabled()
         now = self._current = Routing(routed, self.replay, [] if routed is not None else None,
                                       [] if wants_aux else None)
-        out = model(input_ids=ids, use_cache=False)
+        out = model(**inputs, use_cache=False)
         n = self.n_layers  # a recomputing (checkpointed) backward appends to the lists again
         self.differs = (torch.stack(now.differs[:n], -1).reshape(*ids.shape, n)[:, :-1].float().mean(-1)
                         if now.differs else None)

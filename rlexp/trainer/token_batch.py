@@ -48,6 +48,8 @@ class TokenBatch:
     lengths: list[int]  # real tokens per row
     # MoE: the engine's experts per position [N, L, layers, k] (rows without: experts 0..k-1)
     routed: torch.Tensor | None = None
+    # a vision-language model's: per row its samples' `mm_train_info` (None: no image)
+    pixels: list[dict[str, torch.Tensor] | None] | None = None
 
     @classmethod
     def build(cls, samples: list[Sample], version: int) -> TokenBatch:
@@ -61,10 +63,28 @@ class TokenBatch:
             behav_logprobs=_padded([s.logprobs for s in samples], width, 0.0, torch.float32)[:, 1:],
             staleness=_padded(stale, width, 0, torch.long)[:, 1:],
             lengths=[len(s.tokens) for s in samples],
-            routed=_routed(samples, width))
+            routed=_routed(samples, width),
+            pixels=[s.mm_train_info for s in samples] if any(s.mm_train_info for s in samples) else None)
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def model_inputs(self, idx: torch.Tensor, width: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The forward's inputs for rows `idx` cut to `width`: `input_ids`, and with images each
+        row's pixel inputs stacked [rows, images, ...] (zeros pad a row with fewer: a model of
+        the Idefics3 kind skips all-zero images)."""
+        inputs = {"input_ids": self.input_ids[idx, :width].to(device)}
+        rows = [self.pixels[i] for i in idx.tolist()] if self.pixels else []
+        if any(rows):
+            for key in ("pixel_values", "pixel_attention_mask"):
+                parts = [r[key] for r in rows if r]
+                most, shape, dtype = max(len(p) for p in parts), parts[0].shape[1:], parts[0].dtype
+                stacked = torch.zeros(len(rows), most, *shape, dtype=dtype)
+                for i, r in enumerate(rows):
+                    if r:
+                        stacked[i, :len(r[key])] = r[key]
+                inputs[key] = stacked.to(device)
+        return inputs
 
     def micro_batches(self, rows: list[int], max_tokens: int) -> list[tuple[torch.Tensor, int]]:
         """`rows` cut into (row indices, width) pieces of at most `max_tokens` padded tokens
