@@ -70,8 +70,8 @@ def _prompts(path: str):
                              ([_image(3, "blue"), _image(1, "green")], "Which picture has more?")):
         content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
-        enc = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=images,
-                        return_tensors="pt")
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        enc = processor(text=text, images=images, return_tensors="pt")
         pixels = {k: v for k, v in enc.items() if k.startswith("pixel")}
         out.append((enc["input_ids"][0].tolist(), images, pixels))
     return out
@@ -123,8 +123,8 @@ def test_vllm_serves_image_prompts_with_the_trainers_logprobs_before_and_after_a
     after = vllm.run(sample())  # the same images: cached encodings would be stale (or missed)
     parity_after, stale = worst(after), worst(before)
     print(f"\n[vlm] fp32, 2 image prompts (1 and 2 images): max |logprob - transformers'| "
-          f"{parity_before:.2e} before a weight push, {parity_after:.2e} after it; the old weights' logprobs under the new "
-          f"model {stale:.2e}")
+          f"{parity_before:.2e} before a weight push, {parity_after:.2e} after it; the old weights' "
+          f"logprobs under the new model {stale:.2e}")
     assert parity_before < 1e-4 and parity_after < 1e-4
     assert stale > 100 * max(parity_after, 1e-5)  # the push changed what the engine serves
 
