@@ -80,6 +80,22 @@ class Generation:
         return min(self.versions, default=-1)
 
 
+def jsonable_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with each image part as `{"type": "image", "index": k}` (its place among the
+    sample's images) in place of the image itself."""
+    out, k = [], 0
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            parts = []
+            for part in m["content"]:
+                if part.get("type") == "image":
+                    part, k = {"type": "image", "index": k}, k + 1
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out
+
+
 def stitch_routing(before: Any, after: Any) -> Any:
     """THE rule for a position's routing: the engine's choice when it first computed that
     position. `before` covers positions 0 .. len(before) - 1 (an earlier request: a turn, or
@@ -212,7 +228,7 @@ class Sample:
         return {
             "uid": self.uid,
             "group_id": self.group_id,
-            "prompt": self.prompt,
+            "prompt": jsonable_messages(self.prompt),
             "response": self.response_text,
             "answer": self.answer,
             "reward": self.reward,

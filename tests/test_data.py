@@ -81,3 +81,22 @@ def test_eval_split_keeps_order():
     dm = DataManager(src, prompts_per_step=10, samples_per_prompt=1, seed=0, split="eval")
     got = [g[0].answer for g in dm.sample_groups(10)]
     assert got == [p.answer for p in src.problems("eval")]
+
+
+def test_the_shapes_task_draws_as_many_shapes_as_its_answer_and_holds_out_its_eval_split():
+    from rlexp.data.shapes import ShapesSource
+
+    source = ShapesSource(max_shapes=4, image_size=64, train_size=300, eval_size=50, seed=3)
+    train, held = source.problems("train"), source.problems("eval")
+    assert len(train) == 300 and len(held) == 50
+    assert {p.answer for p in train} == {"1", "2", "3", "4"}
+    for problem in train[:60] + held[:20]:
+        image = problem.messages[0]["content"][0]["image"]
+        quarters = [image.crop((x, y, x + 32, y + 32)) for y in (0, 32) for x in (0, 32)]
+        drawn = sum(q.convert("L").getextrema()[0] < 250 for q in quarters)  # a quarter with ink
+        assert str(drawn) == problem.answer, problem.where
+    again = ShapesSource(max_shapes=4, image_size=64, train_size=300, eval_size=50, seed=3)
+    assert list(again.problems("eval")[0].messages[0]["content"][0]["image"].getdata()) == \
+        list(held[0].messages[0]["content"][0]["image"].getdata())
+    with pytest.raises(ValueError, match="max_shapes=5"):
+        ShapesSource(max_shapes=5)

@@ -147,3 +147,31 @@ def test_an_moe_samples_routing_goes_beside_the_trace_file_compressed_and_refere
     assert ref == {"file": "step_00001.routing.npz", "key": "1", "shape": [30, 2, 2]}
     with np.load(client.download_artifacts(rid, f"traces/{ref['file']}", str(tmp_path))) as npz:
         assert list(npz) == ["1"] and np.array_equal(npz["1"], routed) and npz["1"].dtype == np.uint8
+
+
+def test_a_vision_samples_images_go_beside_the_trace_file_as_pngs_listed_by_its_line(tmp_path):
+    from PIL import Image
+
+    from rlexp.data.shapes import draw
+
+    uri = f"sqlite:///{tmp_path}/m.db"
+    client = MlflowClient(uri)
+    pictures = [draw(1, 2), draw(2, 3)]
+    vision, text = _sample(1), _sample(1)
+    vision.prompt = [{"role": "user", "content": [{"type": "image", "image": pictures[0]},
+                                                  {"type": "image", "image": pictures[1]},
+                                                  {"type": "text", "text": "How many?"}]}]
+    vision.mm_infer_info = {"images": pictures}
+    tracker = _tracker(uri)
+    tracker.start(OmegaConf.create({"seed": 0}))
+    tracker.log_samples([text, vision], 1, decode=lambda ids: "")
+    tracker.end()
+    rid = _active(client).info.run_id
+    trace_file = client.download_artifacts(rid, "traces/step_00001.jsonl", str(tmp_path))
+    lines = [json.loads(x) for x in open(trace_file)]
+    assert "images" not in lines[0]
+    assert lines[1]["images"] == ["step_00001.images/1_0.png", "step_00001.images/1_1.png"]
+    assert [p.get("index") for p in lines[1]["prompt"][0]["content"]] == [0, 1, None]  # the images' places
+    for name, picture in zip(lines[1]["images"], pictures):
+        with Image.open(client.download_artifacts(rid, f"traces/{name}", str(tmp_path))) as png:
+            assert list(png.convert("RGB").getdata()) == list(picture.getdata())  # lossless

@@ -179,3 +179,38 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
           f"off)")
     assert metrics["train/skipped_step"] == 0.0
     assert parity_before < 1e-4 and parity_after < 1e-4 and moved > 100 * max(parity_after, 1e-5)
+
+
+def test_a_micro_batch_stacks_each_rows_pixels_and_pads_with_zero_images():
+    from rlexp.sample import Sample, TokenTrace
+    from rlexp.trainer.token_batch import TokenBatch
+
+    def sample(images: int) -> Sample:
+        trace = TokenTrace([1, 2, 3, 4], [0, 0, 1, 1], [0.0] * 4, [0] * 4)
+        s = Sample(group_id=0, prompt=[], answer="", trace=trace)
+        if images:
+            s.mm_train_info = {"pixel_values": torch.full((images, 3, 8, 8), float(images)),
+                               "pixel_attention_mask": torch.ones(images, 8, 8, dtype=torch.bool)}
+        return s
+
+    tb = TokenBatch.build([sample(2), sample(0), sample(1)], version=0)
+    inputs = tb.model_inputs(torch.tensor([0, 1, 2]), 4, torch.device("cpu"))
+    assert inputs["pixel_values"].shape == (3, 2, 3, 8, 8)
+    assert (inputs["pixel_values"][0] == 2).all() and (inputs["pixel_values"][1] == 0).all()
+    assert (inputs["pixel_values"][2, 0] == 1).all() and (inputs["pixel_values"][2, 1] == 0).all()
+    assert inputs["pixel_attention_mask"][2].sum() == 64 and inputs["pixel_attention_mask"].dtype == torch.bool
+    assert set(tb.model_inputs(torch.tensor([1]), 4, torch.device("cpu"))) == {"input_ids"}
+
+
+def test_the_engine_gets_each_images_span_collapsed_to_the_placeholder(vlm_path):
+    from rlexp.rollout.vllm_images import ImagePlaceholders
+
+    places = ImagePlaceholders(vlm_path)
+    (ids, _, _), (two, _, _) = _prompts(vlm_path)
+    assert len(places.expansion) == 7  # <fake_token_around_image> <global-img> <image> x 4 <fake_token_around_image>
+    collapsed = places.collapse(two, images=2)
+    assert len(collapsed) == len(two) - 2 * 6 and collapsed.count(places.placeholder) == 2
+    with pytest.raises(ValueError, match="3 image\\(s\\) given, but the tokens hold 2 whole image span"):
+        places.collapse(two, images=3)
+    with pytest.raises(ValueError, match="hold 0 whole"):
+        places.collapse(ids[:6] + ids[8:], images=1)  # a span cut short

@@ -21,7 +21,7 @@ from rlexp.data import arithmetic
 
 @dataclass(frozen=True)
 class Problem:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]  # content: a string, or parts (text, image) for a vision-language model
     answer: str
     where: str = ""  # file:line (JSONL) or file: row i (Parquet, datasets), for error messages
 

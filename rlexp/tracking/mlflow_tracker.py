@@ -19,6 +19,7 @@ from mlflow.entities import Param, Run, ViewType
 from omegaconf import DictConfig, OmegaConf
 
 from rlexp.constraints import AtLeast1, Fraction
+from rlexp.sample import jsonable_messages
 
 log = logging.getLogger(__name__)
 EXPERIMENT_KIND = "mlflow.experimentKind"  # MLflow UI: "custom_model_development" = Model training
@@ -129,21 +130,36 @@ def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
     """One step's trajectories as a JSONL artifact of the run (token ids, masks, logprobs,
     versions, decoded text). Runs on the writer thread: the run is named explicitly, since
     MLflow's active run belongs to the loop's thread. An MoE run's routing goes beside it,
-    compressed binary (`<step>.routing.npz`, one array per line's key), not into the JSON."""
+    compressed binary (`<step>.routing.npz`, one array per line's key), not into the JSON; a
+    vision-language run's images go beside it as PNG files (`<step>.images/<line>_<k>.png`),
+    each line listing its own (`images`, in the order of the prompt's image parts)."""
     client = MlflowClient()
     lines, routed = [], {}
     npz = Path(artifact_file).with_suffix(".routing.npz")
-    for i, s in enumerate(samples):
-        line = s.to_trace(decode)
-        if (routing := s.trace.routed_experts) is not None:
-            routed[str(i)] = routing
-            line["routed_experts"] = {"file": npz.name, "key": str(i), "shape": list(routing.shape)}
-        lines.append(json.dumps(line))
-    client.log_text(run_id, "\n".join(lines) + "\n", artifact_file)
-    if routed:
-        with tempfile.TemporaryDirectory() as tmp:
+    pictures = Path(artifact_file).with_suffix(".images")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, s in enumerate(samples):
+            line = s.to_trace(decode)
+            if (routing := s.trace.routed_experts) is not None:
+                routed[str(i)] = routing
+                line["routed_experts"] = {"file": npz.name, "key": str(i), "shape": list(routing.shape)}
+            if images := (s.mm_infer_info or {}).get("images"):
+                line["images"] = [_save_png(image, Path(tmp) / pictures.name / f"{i}_{k}.png")
+                                  for k, image in enumerate(images)]
+            lines.append(json.dumps(line))
+        client.log_text(run_id, "\n".join(lines) + "\n", artifact_file)
+        if routed:
             np.savez_compressed(Path(tmp) / npz.name, **routed)
             client.log_artifact(run_id, str(Path(tmp) / npz.name), str(npz.parent))
+        if (Path(tmp) / pictures.name).is_dir():
+            client.log_artifacts(run_id, str(Path(tmp) / pictures.name), str(pictures))
+
+
+def _save_png(image, path: Path) -> str:
+    """`image` (PIL) written to `path`; its name relative to the trace file's folder."""
+    path.parent.mkdir(exist_ok=True)
+    image.save(path, format="PNG")
+    return f"{path.parent.name}/{path.name}"
 
 
 @contextlib.contextmanager
@@ -164,7 +180,7 @@ def log_mlflow_trace(s, step: int) -> None:
     """One trajectory as an MLflow trace linked to the active run (Traces tab of the run):
     the prompt in, the response and reward out, one child span per turn."""
     with _own_random(), mlflow.start_span(name=f"trajectory step {step}", span_type="AGENT") as root:
-        root.set_inputs({"messages": s.prompt, "answer": s.answer})
+        root.set_inputs({"messages": jsonable_messages(s.prompt), "answer": s.answer})
         mlflow.update_current_trace(tags={"rlexp.step": str(step)})
         root.set_attributes({"rlexp.step": step, "rlexp.uid": s.uid, "rlexp.group_id": s.group_id,
                              "rlexp.status": s.status.value, "rlexp.reward": s.reward,
