@@ -198,7 +198,8 @@ def test_a_micro_batch_stacks_each_rows_pixels_and_pads_with_zero_images():
     assert inputs["pixel_values"].shape == (3, 2, 3, 8, 8)
     assert (inputs["pixel_values"][0] == 2).all() and (inputs["pixel_values"][1] == 0).all()
     assert (inputs["pixel_values"][2, 0] == 1).all() and (inputs["pixel_values"][2, 1] == 0).all()
-    assert inputs["pixel_attention_mask"][2].sum() == 64 and inputs["pixel_attention_mask"].dtype == torch.bool
+    mask = inputs["pixel_attention_mask"]
+    assert mask[2].sum() == 64 and mask.dtype == torch.bool
     assert set(tb.model_inputs(torch.tensor([1]), 4, torch.device("cpu"))) == {"input_ids"}
 
 
@@ -207,7 +208,7 @@ def test_the_engine_gets_each_images_span_collapsed_to_the_placeholder(vlm_path)
 
     places = ImagePlaceholders(vlm_path)
     (ids, _, _), (two, _, _) = _prompts(vlm_path)
-    assert len(places.expansion) == 7  # <fake_token_around_image> <global-img> <image> x 4 <fake_token_around_image>
+    assert len(places.expansion) == 7  # <fake_token_around_image> <global-img> <image> x 4 <fake_...>
     collapsed = places.collapse(two, images=2)
     assert len(collapsed) == len(two) - 2 * 6 and collapsed.count(places.placeholder) == 2
     with pytest.raises(ValueError, match="3 image\\(s\\) given, but the tokens hold 2 whole image span"):
