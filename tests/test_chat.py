@@ -135,3 +135,22 @@ def test_special_tokens_inside_a_reply_do_not_break_the_prefix(tokenizer):
     assert session.prefix_breaks == 0
     (p1, g1), (p2, _) = engine.calls
     assert p2[: len(p1) + len(g1)] == p1 + g1
+
+
+def test_a_template_that_reads_content_as_parts_gets_string_content_as_a_text_part(tokenizer):
+    """SmolVLM's published template indexes content[0]['type']: a string would render as
+    nothing (the question silently gone); rlexp finds the template's content format and wraps
+    strings as one text part, and leaves a string template's messages as they are."""
+    import copy
+
+    from rlexp.chat.render import render_prompt_text, takes_parts
+    from rlexp.models.arch import TEMPLATE_DIR
+
+    parts = copy.deepcopy(tokenizer)
+    parts.chat_template = (TEMPLATE_DIR / "smolvlm.jinja").read_text()
+    message = [{"role": "user", "content": "What is 12+3?"}]
+    assert "12+3" not in parts.apply_chat_template(message, tokenize=False)  # the trap
+    assert takes_parts(parts) and not takes_parts(tokenizer)
+    assert render_prompt_text(parts, message) == "<|im_start|>User: What is 12+3?<end_of_utterance>\nAssistant:"
+    assert render_prompt_text(tokenizer, message) == tokenizer.apply_chat_template(
+        message, add_generation_prompt=True, tokenize=False)

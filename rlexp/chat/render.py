@@ -21,9 +21,39 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+_PROBE = "rlexp-content-probe"
+
+
+def takes_parts(tokenizer) -> bool:
+    """Whether the chat template reads a message's content as a list of parts
+    (`[{"type": "text", "text": ...}]`, SmolVLM's, Idefics3's) and not as a string: a string
+    given to such a template renders as nothing. Found by rendering a probe message (vLLM's
+    chat utils detect the same "content format", by the template's source)."""
+    cached = getattr(tokenizer, "_rlexp_takes_parts", None)
+    if cached is None:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False)
+        except Exception:  # a template that fails on a string (e.g. indexes content[0]['type'])
+            text = ""
+        cached = _PROBE not in text
+        tokenizer._rlexp_takes_parts = cached
+    return cached
+
+
+def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each string content as one text part."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+            else m for m in messages]
+
+
+def _for_template(tokenizer, messages):
+    return as_parts(messages) if takes_parts(tokenizer) else messages
+
+
 def render_prompt_text(tokenizer, messages) -> str:
     """The chat template's text for the prompt `messages`, ending with the assistant's cue."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(_for_template(tokenizer, messages), add_generation_prompt=True,
+                                         tokenize=False)
 
 
 def render_prompt(tokenizer, messages) -> list[int]:
@@ -43,7 +73,8 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], tools: list | None = 
     elif tools:
         kwargs["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(_for_template(tokenizer, messages),
+                                             add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **kwargs)
     except Exception as e:
         raise SessionError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
