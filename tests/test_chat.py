@@ -151,6 +151,7 @@ def test_a_template_that_reads_content_as_parts_gets_string_content_as_a_text_pa
     message = [{"role": "user", "content": "What is 12+3?"}]
     assert "12+3" not in parts.apply_chat_template(message, tokenize=False)  # the trap
     assert takes_parts(parts) and not takes_parts(tokenizer)
-    assert render_prompt_text(parts, message) == "<|im_start|>User: What is 12+3?<end_of_utterance>\nAssistant:"
+    expected = "<|im_start|>User: What is 12+3?<end_of_utterance>\nAssistant:"
+    assert render_prompt_text(parts, message) == expected
     assert render_prompt_text(tokenizer, message) == tokenizer.apply_chat_template(
         message, add_generation_prompt=True, tokenize=False)
