@@ -114,10 +114,23 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     _check_scheduler(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
+    _check_images(cfg)
     if OmegaConf.select(cfg, "trainer.routing_replay") == "rollout" and \
             not OmegaConf.select(cfg, "rollout.routing_capture"):
         raise ConfigError("trainer.routing_replay=rollout replays the engine's routing: it needs "
                           "rollout.routing_capture=true (rollout=vllm, an MoE model)")
+
+
+def _check_images(cfg: DictConfig) -> None:
+    """Image prompts (data=shapes) go through the single-turn agent and vLLM only, so far."""
+    if "ShapesSource" not in str(OmegaConf.select(cfg, "data.source._target_") or ""):
+        return
+    agent = str(OmegaConf.select(cfg, "agent._target_") or "")
+    if not agent.endswith("SingleTurnAgent"):
+        raise ConfigError(f"data.source is a task with images, which agent._target_={agent} does not send "
+                          "to the engine yet: use agent=single_turn")
+    if "VLLMEngine" not in str(OmegaConf.select(cfg, "rollout._target_") or ""):
+        raise ConfigError("data.source is a task with images: it needs rollout=vllm")
 
 
 def _check_cluster(cfg: DictConfig) -> None:
