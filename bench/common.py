@@ -161,3 +161,22 @@ def two_sided_args(description: str, sides: list[str]):
     p.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def two_sided_medians(doc: str, script: str, sides: dict[str, list[str]], warmup: int = 2):
+    """The whole of a bench whose sides are rlexp runs with their own overrides: in a child
+    block (--side), run that side's steps and write their records to --out, returning None;
+    else alternate the sides' blocks and return `report_sides`' medians by side."""
+    import json
+    import sys
+    import tempfile
+
+    args = two_sided_args(doc.split("\n")[0], list(sides))
+    if args.side:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = rlexp_step_times([*sides[args.side], *args.overrides], args.steps + warmup, Path(tmp))
+        Path(args.out).write_text(json.dumps(records))
+        return None
+    me = [sys.executable, script, "--steps", str(args.steps), *args.overrides, "--side"]
+    runs = alternate_blocks({side: [*me, side] for side in sides}, args.blocks, warmup)
+    return report_sides(runs, args.blocks, args.steps)

@@ -14,9 +14,7 @@ PNG files in the traces. Headline: median VLM step / median text step."""
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,19 +26,11 @@ SIDES = {"text": ["model=arch", "model.family=llama", "model.chat_template=smoll
 
 
 def main() -> None:
-    from common import two_sided_args
+    from common import two_sided_medians
 
-    args = two_sided_args(__doc__.split("\n")[0], list(SIDES))
-    from common import alternate_blocks, report_sides, rlexp_step_times
-
-    if args.side:  # one block, in a child process: its per-step records as JSON into --out
-        with tempfile.TemporaryDirectory() as tmp:
-            records = rlexp_step_times([*SIDES[args.side], *args.overrides], args.steps + WARMUP, Path(tmp))
-        Path(args.out).write_text(json.dumps(records))
+    med = two_sided_medians(__doc__, __file__, SIDES, WARMUP)
+    if med is None:  # a child block
         return
-    me = [sys.executable, __file__, "--steps", str(args.steps), *args.overrides, "--side"]
-    runs = alternate_blocks({side: [*me, side] for side in SIDES}, args.blocks, WARMUP)
-    med = report_sides(runs, args.blocks, args.steps)
     t, v = med["text"], med["vlm"]
     print(f"produce vlm/text: {v['produce'] / t['produce']:.3f}   fit vlm/text: {v['fit'] / t['fit']:.3f}   "
           f"sync vlm/text: {v['sync'] / t['sync']:.3f}")
