@@ -24,7 +24,7 @@ class ScriptedEngine:
         self.calls: list[tuple[list[int], list[int]]] = []
         self.samplings: list[SamplingConfig] = []  # what each call was asked
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, images=None) -> Generation:
         self.samplings.append(sampling)
         text = self.replies.pop(0) if self.replies else "0"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
@@ -55,7 +55,7 @@ class TimedEngine:
         rng = random.Random(seed)
         return max(1, min(self.sampling.max_tokens, int(rng.expovariate(1 / self.mean_len)) + 1))
 
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig) -> Generation:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, images=None) -> Generation:
         n = min(self.length(sampling.seed), sampling.max_tokens)
         ids: list[int] = []
         versions: list[int] = []

@@ -45,7 +45,7 @@ class FakeReplica:
         if self.dead:
             raise ActorDiedError()
 
-    async def _generate(self, ids, sampling):
+    async def _generate(self, ids, sampling, images=None):
         self._check()
         await self.gate.wait()
         self._check()

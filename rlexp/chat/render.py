@@ -22,22 +22,22 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 _PROBE = "rlexp-content-probe"
+_TAKES_PARTS: dict[str, bool] = {}  # by template text: what decides it
 
 
 def takes_parts(tokenizer) -> bool:
     """Whether the chat template reads a message's content as a list of parts
     (`[{"type": "text", "text": ...}]`, SmolVLM's, Idefics3's) and not as a string: a string
-    given to such a template renders as nothing. Found by rendering a probe message (vLLM's
-    chat utils detect the same "content format", by the template's source)."""
-    cached = getattr(tokenizer, "_rlexp_takes_parts", None)
-    if cached is None:
+    given to such a template renders as nothing. Found by rendering a probe message once per
+    template (vLLM's chat utils detect the same "content format", by the template's source)."""
+    template = str(getattr(tokenizer, "chat_template", None))
+    if template not in _TAKES_PARTS:
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False)
         except Exception:  # a template that fails on a string (e.g. indexes content[0]['type'])
             text = ""
-        cached = _PROBE not in text
-        tokenizer._rlexp_takes_parts = cached
-    return cached
+        _TAKES_PARTS[template] = _PROBE not in text
+    return _TAKES_PARTS[template]
 
 
 def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
