@@ -74,7 +74,7 @@ class FakeReplica:
         if method == "weights_loaded":
             self.version = args[0]
 
-    async def _gen(self, token_ids, sampling):
+    async def _gen(self, token_ids, sampling, images=None):
         from ray.exceptions import RayActorError
 
         await asyncio.sleep(0.01)
