@@ -80,6 +80,18 @@ class Generation:
         return min(self.versions, default=-1)
 
 
+def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """(`messages` with each image part bare, `{"type": "image"}` as a chat template takes it;
+    their images, in order)."""
+    bare, images = [], []
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            images += [p["image"] for p in m["content"] if p.get("type") == "image"]
+            m = {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+        bare.append(m)
+    return bare, images
+
+
 def jsonable_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with each image part as `{"type": "image", "index": k}` (its place among the
     sample's images) in place of the image itself."""

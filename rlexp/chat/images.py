@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlexp.sample import split_images
+
 PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
 
 
 def images_of(messages: list[dict[str, Any]]) -> list[Any]:
     """The images of `messages`, in order."""
-    return [part["image"] for m in messages if isinstance(m.get("content"), list)
-            for part in m["content"] if part.get("type") == "image"]
+    return split_images(messages)[1]
 
 
 class ImagePrompts:
@@ -37,10 +38,7 @@ class ImagePrompts:
 
     def __call__(self, messages: list[dict[str, Any]]) -> tuple[str, list[int], dict, dict]:
         """(text, token ids, mm_infer_info, mm_train_info) of the prompt `messages`."""
-        images = images_of(messages)
-        bare = [m if not isinstance(m.get("content"), list) else
-                {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
-                for m in messages]
+        bare, images = split_images(messages)
         text = self.processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
         enc = self.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
         train = {k: enc[k][0] for k in PIXEL_KEYS if k in enc}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlexp.models.arch import FORMAT_VERSION, TEMPLATE_DIR, build_arch_model, cached_build
+from rlexp.sample import split_images
 
 log = logging.getLogger(__name__)
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
@@ -134,10 +135,7 @@ def _random_model(cache_dir: str, seed: int, hidden_size: int, num_layers: int, 
 
 def _prompt(processor, messages: list[dict[str, Any]]) -> tuple[str, list[Any]]:
     """The chat template's text for the prompt `messages` and their images, in order."""
-    bare = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
-            if isinstance(m["content"], list) else m for m in messages]
-    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-              if p.get("type") == "image"]
+    bare, images = split_images(messages)
     return processor.apply_chat_template(bare, add_generation_prompt=True), images
 
 
