@@ -122,13 +122,15 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
 
 
 def _check_images(cfg: DictConfig) -> None:
-    """Image prompts (data=shapes) go through the single-turn agent and vLLM only, so far."""
-    if "ShapesSource" not in str(OmegaConf.select(cfg, "data.source._target_") or ""):
+    """Image prompts (data=shapes, or rows with `data.source.image_key`) need an engine that
+    takes images (vLLM) and an agent that sends them (rlexp's agents do; a class of your own may not)."""
+    if "ShapesSource" not in str(OmegaConf.select(cfg, "data.source._target_") or "") and \
+            not OmegaConf.select(cfg, "data.source.image_key"):
         return
     agent = str(OmegaConf.select(cfg, "agent._target_") or "")
-    if not agent.endswith("SingleTurnAgent"):
+    if not agent.startswith("rlexp.agents."):
         raise ConfigError(f"data.source is a task with images, which agent._target_={agent} does not send "
-                          "to the engine yet: use agent=single_turn")
+                          "to the engine: use agent=single_turn, multiturn, tool or openai")
     if "VLLMEngine" not in str(OmegaConf.select(cfg, "rollout._target_") or ""):
         raise ConfigError("data.source is a task with images: it needs rollout=vllm")
 

@@ -14,7 +14,7 @@ same methods fits (no base classes to inherit).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -62,7 +62,8 @@ class StreamingEngine(RolloutEngine, Protocol):
     `stream=true`; rlexp/chat/streaming.py). Engines without it stream a reply whole."""
 
     async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
-                                 on_tokens: Callable[[list[int], list[float]], None] | None) -> Generation:
+                                 on_tokens: Callable[[list[int], list[float]], None] | None,
+                                 images: list[Any] | None = None) -> Generation:
         """`generate`, calling `on_tokens(ids, logprobs)` with new tokens as they come."""
         ...
 
@@ -72,8 +73,20 @@ class Tool(Protocol):
 
     spec: dict[str, Any]
 
-    async def __call__(self, arguments: str) -> str:
-        """`arguments`: the call's JSON object; returns the result text (or "error: ...")."""
+    async def __call__(self, arguments: str) -> str | list[dict[str, Any]]:
+        """`arguments`: the call's JSON object; returns the result text (or "error: ..."), or
+        content parts (text and image parts, for a vision-language model)."""
+        ...
+
+
+class ImageTool(Protocol):
+    """A tool that reads the conversation's pictures (`reads_images = True`; rlexp/tools/zoom.py)."""
+
+    spec: dict[str, Any]
+    reads_images: bool
+
+    async def __call__(self, arguments: str, images: Sequence[Any] = ()) -> str | list[dict[str, Any]]:
+        """As `Tool`'s, with `images`: the conversation's images so far, in order."""
         ...
 
 

@@ -39,6 +39,14 @@ def tokenizer(tiny_model_path):
 
 
 @pytest.fixture(scope="session")
+def vlm_path(tmp_path_factory) -> str:
+    """The tiny vision-language model (random weights, rlexp/models/vlm.py), built once."""
+    from rlexp.models.vlm import build_vlm_model
+
+    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
+
+
+@pytest.fixture(scope="session")
 def arch_paths(tmp_path_factory) -> dict[str, str]:
     """The real architectures of test_architectures.py (BUILDS), built once per session."""
     from rlexp.models.arch import build_arch_model

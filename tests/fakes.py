@@ -23,9 +23,11 @@ class ScriptedEngine:
         self.busy = BusyMeter()
         self.calls: list[tuple[list[int], list[int]]] = []
         self.samplings: list[SamplingConfig] = []  # what each call was asked
+        self.images: list[list | None] = []  # each call's images (a vision-language prompt's)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, images=None) -> Generation:
         self.samplings.append(sampling)
+        self.images.append(images)
         text = self.replies.pop(0) if self.replies else "0"
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         ids = ids[: sampling.max_tokens]

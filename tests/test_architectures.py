@@ -204,7 +204,7 @@ class _Recorder:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    async def generate(self, token_ids, sampling):
+    async def generate(self, token_ids, sampling, images=None):
         gen = await self.engine.generate(token_ids, sampling)
         self.gens.append(gen)
         return gen

@@ -254,7 +254,7 @@ def test_non_loopback_needs_an_api_key_and_checks_it(tokenizer):
 
 def test_engine_errors_are_a_400_for_bad_input_and_a_503_for_a_dead_engine(tokenizer):
     class FailingEngine(ScriptedEngine):
-        async def generate(self, token_ids, sampling):
+        async def generate(self, token_ids, sampling, images=None):
             raise self.error
 
     engine = FailingEngine(tokenizer, [])
@@ -287,7 +287,7 @@ class ConstraintRecorder(ScriptedEngine):
         super().__init__(tokenizer, replies)
         self.sampling_seen = []
 
-    async def generate(self, token_ids, sampling):
+    async def generate(self, token_ids, sampling, images=None):
         self.sampling_seen.append(sampling)
         return await super().generate(token_ids, sampling)
 

@@ -30,10 +30,10 @@ class RecordingEngine:
     def version(self):
         return self.engine.version
 
-    async def generate(self, token_ids, sampling):
+    async def generate(self, token_ids, sampling, images=None):
         return await self.generate_streaming(token_ids, sampling, None)
 
-    async def generate_streaming(self, token_ids, sampling, on_tokens):
+    async def generate_streaming(self, token_ids, sampling, on_tokens, images=None):
         gen = await self.engine.generate_streaming(token_ids, sampling, on_tokens)
         self.calls.append((list(token_ids), list(gen.token_ids)))
         return gen

@@ -3,7 +3,8 @@ agent code against the policy through an OpenAI-compatible client.
 
 Your function is `async def fn(client, task) -> float | dict`. `client` behaves like
 `openai.AsyncOpenAI` (in process, or the real package talking to rlexp's HTTP server with
-`transport: http`); `task` has `messages`, `answer` and `metadata`. Return a float (the
+`transport: http`); `task` has `messages` (OpenAI's format: an image is an `image_url` part
+with a PNG data URL), `answer` and `metadata`. Return a float (the
 reward) or a dict (kept as `metadata["info"]`, and the judge scores the last reply).
 Every call your code makes is recorded token by token and becomes the training Sample(s)."""
 
@@ -16,6 +17,7 @@ from typing import Literal
 import openai
 
 from rlexp.chat.client import SessionStore
+from rlexp.chat.images import openai_messages
 from rlexp.chat.server import ChatServer
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
@@ -62,7 +64,8 @@ class OpenAIAgent:
         return self._http.with_options(default_headers={"X-Session-Id": sid})
 
     async def rollout(self, sample: Sample) -> list[Sample]:
-        task = {"messages": list(sample.prompt), "answer": sample.answer, "metadata": dict(sample.metadata)}
+        task = {"messages": openai_messages(sample.prompt), "answer": sample.answer,
+                "metadata": dict(sample.metadata)}
         async with self.store.record(self.sampling) as rec:
             client = rec.client if self.transport == "inprocess" else await self._http_client(rec.session_id)
             result = await self.fn(client, task)

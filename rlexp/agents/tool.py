@@ -1,16 +1,21 @@
 """ToolAgent: the policy may call tools (JSON tool specs, Hermes-style `<tool_call>` blocks);
 each result goes back as a `tool` message (loss mask 0) until it answers without a call,
 or `max_turns` / `max_tool_calls` is reached. A malformed or failing call is answered with
-an error message as the tool result, never a crash."""
+an error message as the tool result, never a crash. A tool may return an image (`zoom`, for
+a vision-language model): the tool message's content parts carry it to the engine."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
+from rlexp.chat.images import images_of
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
-from rlexp.protocols import Judge, RolloutEngine
+from rlexp.protocols import ImageTool, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.tools import build_tools
 
@@ -27,16 +32,18 @@ class ToolAgent:
         self.store = SessionStore(engine, tokenizer, engine.max_model_len, on_prefix_break,
                                   tool_prompt=tool_prompt)
 
-    async def call_tool(self, name: str, arguments: str) -> tuple[str, bool]:
-        """(result text, ok)."""
+    async def call_tool(self, name: str, arguments: str, images: Sequence[Any] = ()) -> tuple[Any, bool]:
+        """(result: text, or content parts with images; ok). `images`: the conversation's so far,
+        for a tool that reads them."""
         tool = self.tools.get(name)
         if tool is None:
             return f"error: unknown tool {name!r}; available: {', '.join(self.tools)}", False
         try:
-            result = await tool(arguments)
+            result = await (cast(ImageTool, tool)(arguments, images=images)
+                            if getattr(tool, "reads_images", False) else tool(arguments))
         except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError, OverflowError) as e:
             return f"error: {type(e).__name__}: {e}", False
-        return result, not result.startswith("error:")
+        return result, not (isinstance(result, str) and result.startswith("error:"))
 
     async def rollout(self, sample: Sample) -> list[Sample]:
         messages = list(sample.prompt)
@@ -54,7 +61,8 @@ class ToolAgent:
                     if calls >= self.max_tool_calls:
                         result, ok = f"error: tool call limit ({self.max_tool_calls}) reached", False
                     else:
-                        result, ok = await self.call_tool(call.function.name, call.function.arguments)
+                        result, ok = await self.call_tool(call.function.name, call.function.arguments,
+                                                          images_of(messages))
                         calls += 1
                     errors += not ok
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name,

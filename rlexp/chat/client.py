@@ -25,6 +25,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
 from rlexp.chat import structured
+from rlexp.chat.images import ImagePrompts
 from rlexp.chat.render import encode
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
@@ -74,6 +75,7 @@ class SessionStore:
         self.on_prefix_break = on_prefix_break
         self.model_name = model_name
         self.tool_prompt = resolve(tokenizer, tool_prompt)  # where tool specs go: rlexp/chat/tool_prompt.py
+        self.image_prompts = ImagePrompts(tokenizer)  # one processor for every session's images
         self.sessions: dict[str, ChatSession] = {}
         self._raw: dict[str, dict[str, str]] = {}  # session -> message key -> generated text
         self._sampling: dict[str, SamplingConfig] = {}
@@ -83,7 +85,7 @@ class SessionStore:
         """A new session; `sampling` fills what its requests leave out (default: the engine's)."""
         sid = session_id or f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self.sessions[sid] = ChatSession(self.tokenizer, self.max_context, self.on_prefix_break,
-                                         self.tool_prompt)
+                                         self.tool_prompt, self.image_prompts)
         self._raw[sid] = {}
         self._sampling[sid] = sampling or self.engine.sampling
         return sid
@@ -130,7 +132,8 @@ class SessionStore:
         calls_allowed = bool(tools) and request.tool_choice != "none"
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=True) if emit else None
         token_by_token = not calls_allowed and not request.stops
-        gens = [await self._generate_choice(prompt.trace.tokens, _nth(sampling, i), i, stream, token_by_token)
+        gens = [await self._generate_choice(prompt.trace.tokens, _nth(sampling, i), i, stream, token_by_token,
+                                            prompt.images or None)
                 for i in range(request.n or 1)]
         choices: list[dict[str, Any]] = []
         for i, gen in enumerate(gens):  # no await from here on: all choices are recorded, or none
@@ -164,16 +167,18 @@ class SessionStore:
         }
 
     async def _generate_choice(self, token_ids: list[int], sampling: SamplingConfig, index: int,
-                               stream: ChunkStream | None, token_by_token: bool) -> Generation:
+                               stream: ChunkStream | None, token_by_token: bool,
+                               images: list[Any] | None = None) -> Generation:
         """One choice; streamed token by token when the reply's text is final as it comes
         (`token_by_token`, a sampling that never restarts, no alternatives to report, an
-        engine that streams), else its chunks come when it is whole."""
+        engine that streams), else its chunks come when it is whole. `images`: one per image
+        in `token_ids` (a vision-language model's)."""
         if stream is None:
-            return await self._generate(token_ids, sampling)
+            return await self._generate(token_ids, sampling, images=images)
         streaming = getattr(self.engine, "generate_streaming", None)
         if not (token_by_token and streaming and not sampling.depends_on_the_reply
                 and not sampling.top_logprobs):
-            gen = await self._generate(token_ids, sampling)
+            gen = await self._generate(token_ids, sampling, images=images)
             stream.start(index)  # after it: a request the engine rejects is still a plain 4xx answer
             return gen
         stream.start(index)
@@ -181,7 +186,8 @@ class SessionStore:
         def on_tokens(ids: list[int], logprobs: list[float]) -> None:
             stream.tokens(index, ids, self._token_logprobs(Generation(ids, logprobs, "", [])))
 
-        return await self._generate(token_ids, sampling, lambda: streaming(token_ids, sampling, on_tokens))
+        return await self._generate(token_ids, sampling,
+                                    lambda: streaming(token_ids, sampling, on_tokens, images=images))
 
     async def complete(self, request: dict[str, Any] | CompletionRequest, emit: Emit | None = None
                        ) -> dict[str, Any]:
@@ -242,10 +248,11 @@ class SessionStore:
                 for t, lp, alts in zip(gen.token_ids, gen.logprobs, top)]
 
     async def _generate(self, token_ids: list[int], sampling: SamplingConfig,
-                        call: Callable[[], Awaitable[Generation]] | None = None) -> Generation:
+                        call: Callable[[], Awaitable[Generation]] | None = None,
+                        images: list[Any] | None = None) -> Generation:
         """The engine's generation (or `call`'s), its own input errors as a 400."""
         try:
-            return await (call() if call else self.engine.generate(token_ids, sampling))
+            return await (call() if call else self.engine.generate(token_ids, sampling, images))
         except ValueError as e:  # the engine's own input checks (vLLM's VLLMValidationError)
             raise SessionError(f"the engine rejected the request: {e}") from e
 

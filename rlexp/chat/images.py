@@ -8,8 +8,14 @@ A message's content may be a list of parts, OpenAI-style: `{"type": "text", "tex
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import io
+from pathlib import Path
 from typing import Any
 
+from rlexp.errors import SessionError
 from rlexp.sample import split_images
 
 PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
@@ -18,6 +24,61 @@ PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
 def images_of(messages: list[dict[str, Any]]) -> list[Any]:
     """The images of `messages`, in order."""
     return split_images(messages)[1]
+
+
+def load_image_url(url: str):
+    """The PIL image (RGB, fully read) of an OpenAI `image_url`: a data URL
+    (`data:image/png;base64,...`), a `file://` URL or a local path. Nothing is fetched over
+    the network. A ValueError says what is wrong."""
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        if not head.endswith(";base64"):
+            raise ValueError("a data URL's image must be base64 (data:image/png;base64,...)")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"the data URL is not valid base64: {e}") from None
+        return _decode(io.BytesIO(raw), "the data URL's bytes")
+    if "://" in url and not url.startswith("file://"):
+        raise ValueError(f"{url.split('://')[0]}:// images are not fetched (rlexp reaches no network): "
+                         "send a data URL or a local path")
+    path = Path(url.removeprefix("file://"))
+    if not path.is_file():
+        raise ValueError(f"no image file at {path}")
+    return _decode(path, str(path))
+
+
+def data_url(image) -> str:
+    """A PNG data URL of a PIL image (lossless: it decodes to the same pixels)."""
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` in OpenAI's format (a copy): each image part an `image_url` part with a data
+    URL, as a client sends it over HTTP."""
+    return [{**m, "content": [{"type": "image_url", "image_url": {"url": data_url(p["image"])}}
+                              if p.get("type") == "image" else p for p in m["content"]]}
+            if isinstance(m.get("content"), list) else dict(m) for m in messages]
+
+
+def _decode(source, what: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(source) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ValueError(f"{what}: not a readable image ({e})") from None
+
+
+def image_key(image) -> str:
+    """An image's identity by content (size, mode, pixels): two requests that send the same
+    picture (decoded anew each time) continue the same conversation."""
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(f"{image.mode}{image.size}".encode())
+    return digest.hexdigest()
 
 
 class ImagePrompts:
@@ -33,8 +94,16 @@ class ImagePrompts:
         if self._processor is None:
             from transformers import AutoProcessor
 
-            self._processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path)
+            processor = AutoProcessor.from_pretrained(self.tokenizer.name_or_path)
+            if getattr(processor, "image_processor", None) is None:
+                raise SessionError(f"the model {self.tokenizer.name_or_path} takes no images (its "
+                                   "directory has no image processor)", param="messages")
+            self._processor = processor
         return self._processor
+
+    def check(self) -> None:
+        """A SessionError unless the model takes images."""
+        self.processor  # noqa: B018 (loading it is the check)
 
     def __call__(self, messages: list[dict[str, Any]]) -> tuple[str, list[int], dict, dict]:
         """(text, token ids, mm_infer_info, mm_train_info) of the prompt `messages`."""
@@ -43,3 +112,18 @@ class ImagePrompts:
         enc = self.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
         train = {k: enc[k][0] for k in PIXEL_KEYS if k in enc}
         return text, enc["input_ids"][0].tolist(), {"images": images}, train
+
+    def encode(self, text: str, images: list[Any]) -> list[int]:
+        """Token ids of `text`, which holds one placeholder per image of `images`, each
+        expanded into its image's tokens (a piece of a conversation: no special tokens added)."""
+        try:
+            enc = self.processor(text=text, images=images, add_special_tokens=False)
+        except ValueError as e:  # placeholders and images do not pair up
+            raise SessionError(f"the images do not fit the messages: {e}", param="messages") from e
+        return list(enc["input_ids"][0])
+
+    def train_info(self, images: list[Any]) -> dict[str, Any]:
+        """`mm_train_info` of a sample with `images`: the pixel inputs the processor makes for
+        them (the same tensors as for the whole prompt at once)."""
+        enc = self.processor.image_processor([images], return_tensors="pt")
+        return {k: enc[k][0] for k in PIXEL_KEYS if k in enc}

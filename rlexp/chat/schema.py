@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -40,6 +41,51 @@ class TextPart(_Model):
     text: str
 
 
+class ImageURL(_Model):
+    url: str
+    detail: Literal["auto"] | None = None  # "low"/"high" would change the reply: the processor decides
+    _image: Any = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _opens(self) -> ImageURL:
+        from rlexp.chat.images import load_image_url
+
+        self._image = load_image_url(self.url)
+        return self
+
+
+class ImageURLPart(_Model):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "image", "image": self.image_url._image}
+
+
+class ImagePart(_Model):
+    """A PIL image, from an in-process client (an agent's prompt); JSON cannot hold one."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True)
+    type: Literal["image"]
+    image: Any
+
+    @field_validator("image")
+    @classmethod
+    def _a_picture(cls, image):
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise ValueError("an 'image' part holds a PIL image (in process); over HTTP, send an "
+                             "'image_url' part with a data URL or a local path")
+        return image
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "image", "image": self.image}
+
+
+Part = Annotated[TextPart | ImageURLPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(_Model):
     name: str
     arguments: str
@@ -56,7 +102,7 @@ class Message(_Model):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCall] | None = None
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    content: str | list[Part] | None = Field(None, validate_default=True)
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -69,10 +115,16 @@ class Message(_Model):
         return content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template reads it: content as one string, never missing."""
-        out = self.model_dump(exclude_none=True)
+        """The message as the chat template reads it: content as one string, never missing;
+        with images, its parts, each image part `{"type": "image", "image": <PIL image>}`."""
+        out = self.model_dump(exclude_none=True, exclude={"content"})
         content = self.content or ""
-        out["content"] = content if isinstance(content, str) else "".join(p.text for p in content)
+        if isinstance(content, str):
+            out["content"] = content
+        elif any(p.type != "text" for p in content):
+            out["content"] = [p.for_template() if p.type != "text" else p.model_dump() for p in content]
+        else:
+            out["content"] = "".join(p.text for p in content if isinstance(p, TextPart))
         return out
 
 

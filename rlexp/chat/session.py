@@ -7,7 +7,12 @@ text is tokenized and appended. If the rendering does not start with that text (
 template is not prefix-preserving, or the caller edited history), that is a *prefix break*:
 it is counted, and the conversation continues from a fresh rendering, either as a separate
 training sample (`on_prefix_break="split"`) or replacing the broken branch
-(`on_prefix_break="restart"`: only the newest segment is trained)."""
+(`on_prefix_break="restart"`: only the newest segment is trained).
+
+Images (a vision-language model's; image parts in the messages) go the same way: the
+rendering holds one placeholder per image, the new messages' tokens have each new image's
+tokens expanded by the processor, and a branch is continued only if its images are the first
+images of the new messages (by content), else the rendering is a prefix break too."""
 
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rlexp.chat.images import ImagePrompts, image_key
 from rlexp.chat.render import encode, render_chat
 from rlexp.chat.tool_prompt import ToolPath
 from rlexp.errors import SessionError
-from rlexp.sample import Generation, Sample, Status, TokenTrace
+from rlexp.sample import Generation, Sample, Status, TokenTrace, split_images
 
 PrefixBreak = Literal["split", "restart"]
 
@@ -32,6 +38,8 @@ class Branch:
     text: str = ""  # decode(trace.tokens), to match the next rendering against
     finish_reason: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)  # as last sent by the caller
+    images: list[Any] = field(default_factory=list)  # PIL images, one per image in the tokens
+    image_keys: list[str] = field(default_factory=list)  # their `image_key`s
     open: bool = True  # False once extended by a later turn (then it is not a leaf)
     segment: int = 0
     # Set by `prepare` on a prompt, applied by `record`: a request that fails in between
@@ -41,15 +49,17 @@ class Branch:
 
     def copy(self) -> Branch:
         """A copy of the trace (cheap); messages are never mutated in place."""
-        return dataclasses.replace(self, trace=self.trace.copy(), messages=list(self.messages))
+        return dataclasses.replace(self, trace=self.trace.copy(), messages=list(self.messages),
+                                   images=list(self.images), image_keys=list(self.image_keys))
 
 
 class ChatSession:
     """All branches of one conversation (one task attempt)."""
 
     def __init__(self, tokenizer, max_context: int, on_prefix_break: PrefixBreak = "split",
-                 tool_prompt: ToolPath = "template"):
+                 tool_prompt: ToolPath = "template", image_prompts: ImagePrompts | None = None):
         self.tokenizer = tokenizer
+        self.image_prompts = image_prompts or ImagePrompts(tokenizer)
         self.max_context = max_context
         self.on_prefix_break = on_prefix_break
         self.tool_prompt = tool_prompt
@@ -69,30 +79,40 @@ class ChatSession:
         session itself changes only when a completion of it is recorded."""
         if not messages:
             raise SessionError("messages must be a non-empty list", param="messages")
-        rendered = self.render(messages, tools)
-        parent = self._match(rendered)
+        bare, images = split_images(messages)
+        if images:
+            self.image_prompts.check()  # a model that takes images
+        keys = [image_key(im) for im in images]
+        rendered = self.render(bare, tools)
+        parent = self._match(rendered, keys)
         if parent is None:
             segment = 1 + max(b.segment for b in self.branches) if self.branches else 0
             branch = Branch(segment=segment, breaks_prefix=bool(self.branches))
-            branch.trace.append(self.encode(rendered), role="prompt", text=rendered)
+            branch.trace.append(self._encode(rendered, images), role="prompt", text=rendered)
         else:
             branch = parent.copy()
             branch.open, branch.parent = True, parent
             suffix = rendered[len(parent.text):]
-            branch.trace.append(self.encode(suffix), role=messages[-1].get("role", ""), text=suffix)
-        branch.text = rendered
+            branch.trace.append(self._encode(suffix, images[len(parent.images):]),
+                                role=messages[-1].get("role", ""), text=suffix)
+        branch.text, branch.images, branch.image_keys = rendered, images, keys
         branch.messages = list(messages)
         if len(branch.trace) >= self.max_context:
             raise SessionError(f"prompt has {len(branch.trace)} tokens; the context is "
                                f"{self.max_context}", param="messages")
         return branch
 
-    def _match(self, rendered: str) -> Branch | None:
-        """The longest branch whose text the new rendering extends (an already extended
-        branch matches too: continuing it again forks the conversation)."""
+    def _encode(self, text: str, images: list[Any]) -> list[int]:
+        return self.image_prompts.encode(text, images) if images else self.encode(text)
+
+    def _match(self, rendered: str, image_keys: list[str]) -> Branch | None:
+        """The longest branch whose text the new rendering extends, with the new messages'
+        first images (an already extended branch matches too: continuing it again forks the
+        conversation)."""
         best = None
         for b in self.branches:
-            if rendered.startswith(b.text) and (best is None or len(b.text) > len(best.text)):
+            if rendered.startswith(b.text) and image_keys[:len(b.image_keys)] == b.image_keys \
+                    and (best is None or len(b.text) > len(best.text)):
                 best = b
         return best
 
@@ -130,7 +150,7 @@ class ChatSession:
         A copy: `template` and the session are left as they are."""
         s = copy.copy(template)
         s.metadata, s.reward_components = dict(template.metadata), {}
-        _fill(s, self.branches[-1])
+        self._fill(s, self.branches[-1])
         return s
 
     def to_samples(self, template: Sample) -> list[Sample]:
@@ -140,7 +160,7 @@ class ChatSession:
             s = copy.copy(template) if i else template
             s.metadata = dict(template.metadata) | {"branch": i, "segment": leaf.segment,
                                                      "prefix_breaks": self.prefix_breaks}
-            _fill(s, leaf)
+            self._fill(s, leaf)
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages
             s.metadata["metrics"] = {
@@ -151,8 +171,11 @@ class ChatSession:
             out.append(s)
         return out
 
-
-def _fill(sample: Sample, branch: Branch) -> None:
-    """The branch's tokens, how it ended, and its last reply as the response."""
-    sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
-    sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")
+    def _fill(self, sample: Sample, branch: Branch) -> None:
+        """The branch's tokens, how it ended, its last reply as the response, and its images
+        (for the engine and, as pixel inputs, for the trainer)."""
+        sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
+        sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")
+        if branch.images:
+            sample.mm_infer_info = {"images": branch.images}
+            sample.mm_train_info = self.image_prompts.train_info(branch.images)

@@ -63,9 +63,9 @@ def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, A
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.get("role") == "tool":
-            response = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
+            response = [_part("<tool_response>\n"), *_parts(m.get("content")), _part("\n</tool_response>")]
             if out and out[-1].get("_tool_results"):
-                out[-1]["content"] += "\n" + response
+                out[-1]["content"] += [_part("\n"), *response]
             else:
                 out.append({"role": "user", "content": response, "_tool_results": True})
         elif m.get("role") == "assistant" and m.get("tool_calls"):
@@ -76,7 +76,8 @@ def with_tools_in_system(messages: list[dict[str, Any]], tools: list[dict[str, A
         else:
             out.append(dict(m))
     for m in out:
-        m.pop("_tool_results", None)
+        if m.pop("_tool_results", None) and all(p["type"] == "text" for p in m["content"]):
+            m["content"] = _text(m["content"])  # text only: one string, as every template reads it
     if out and out[0].get("role") == "system":
         system = _text(out[0].get("content"))
         out[0]["content"] = f"{system}\n\n{section}" if system else section
@@ -90,6 +91,15 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """Message content as parts (an image part kept as it is)."""
+    return list(content) if isinstance(content, list) else [_part(_text(content))]
 
 
 def _call(call: dict[str, Any]) -> dict[str, Any]:

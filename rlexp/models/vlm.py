@@ -14,10 +14,14 @@ tokenizer (SmolLM2's layout plus SmolVLM's image tokens `<fake_token_around_imag
 `<image>`, `<global-img>` and its turn end `<end_of_utterance>`, which is the eos), the
 processor (no image splitting: one `image_size` square per image, `image_tokens` tokens) and
 SmolVLM-Instruct's chat template (rlexp/models/templates/smolvlm.jinja), which renders
-content as a list of parts."""
+content as a list of parts, with one change: the published template writes an assistant
+turn as `Assistant: text` but cues a reply with `Assistant:`, so no reply the model writes
+after the cue is a prefix of the next turn's rendering (every multi-turn request is a prefix
+break); here an assistant turn is written `Assistant:text`, exactly as it was generated."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from pathlib import Path
@@ -64,8 +68,10 @@ def build_vlm_model(
             f"scale_factor={scale_factor}"
         )
     args = {k: v for k, v in locals().items() if k != "cache_dir"}
+    template = hashlib.sha1((TEMPLATE_DIR / "smolvlm.jinja").read_bytes()).hexdigest()[:12]
     return cached_build(
-        "smolvlm", args, FORMAT_VERSION, cache_dir, lambda out: _build(out, cache_dir, **args)
+        "smolvlm", args | {"template": template}, FORMAT_VERSION, cache_dir,
+        lambda out: _build(out, cache_dir, **args)
     )
 
 

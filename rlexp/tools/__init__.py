@@ -12,8 +12,9 @@ def tool_classes() -> dict[str, Any]:
     """Name -> class; every class is built with `timeout_s` (the longest one call may run)."""
     from rlexp.tools.calculator import Calculator
     from rlexp.tools.python_sandbox import PythonExpression
+    from rlexp.tools.zoom import Zoom
 
-    return {"calculator": Calculator, "python": PythonExpression}
+    return {"calculator": Calculator, "python": PythonExpression, "zoom": Zoom}
 
 
 def build_tools(names: Iterable[str], timeout_s: float) -> dict[str, Tool]:
