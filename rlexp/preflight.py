@@ -2,8 +2,11 @@
 MLflow), so that bad input fails in about a second instead of after ten seconds of imports:
 
 1. the config: every `_target_` and its arguments, read from rlexp's source (rlexp/signatures.py);
-2. the data: the files are read and every row checked (file, line, key);
-3. prompt lengths, with the model directory's own tokenizer.json and chat template.
+2. the data: the files are read and every row checked (file, line, key), images decoded;
+3. data with images needs a vision-language model directory (from its JSON files);
+4. prompt lengths, with the model directory's own tokenizer.json and chat template; a prompt
+   with images, with the directory's processor (ImageTokens), which imports transformers, so
+   only data with images pays for it, and only after the checks above.
 
 The full config check (rlexp.config.validate) runs again after the imports, for what the
 source cannot tell; lengths are counted there with transformers' tokenizer only where the
@@ -20,7 +23,7 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlexp.chat import tool_prompt
 from rlexp.chat.render import encode, render_chat
@@ -28,6 +31,7 @@ from rlexp.config import validate, validate_data, validate_lengths
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError
 from rlexp.evaluator import Evaluator
+from rlexp.sample import split_images
 from rlexp.tools import tool_specs
 
 log = logging.getLogger("rlexp")
@@ -62,18 +66,118 @@ def load_inputs(cfg: DictConfig) -> Inputs:
 
 
 def check_lengths(cfg: DictConfig, inputs: Inputs, tokenizer) -> None:
-    """Prompts as the agent will send them: with its tools' specs where it has tools."""
+    """Prompts as the agent will send them: with its tools' specs where it has tools; a prompt
+    with images as the model's processor expands it (ImageTokens), named with its counts."""
     tools = tool_specs(cfg.agent.get("tools") or [])
     path = tool_prompt.resolve(tokenizer, cfg.agent.get("tool_prompt", "template"))
+    images = ImageTokens.load(cfg, inputs) if _has_images(inputs) else None
     for split, dm in (("train", inputs.data), ("eval", inputs.eval_data)):
-        lengths = [(len(encode(tokenizer, render_chat(tokenizer, p.messages, tools, tool_prompt=path))),
-                    p.where or f"{split} prompt {i}") for i, p in enumerate(dm.problems)]
+        lengths = []
+        for i, p in enumerate(dm.problems):
+            where = p.where or f"{split} prompt {i}"
+            if images is not None and split_images(p.messages)[1]:
+                lengths.append(images.length(p.messages, where, tools, path))
+            else:
+                text = render_chat(tokenizer, p.messages, tools, tool_prompt=path)
+                lengths.append((len(encode(tokenizer, text)), where))
         validate_lengths(cfg, lengths, split)
+
+
+def check_vision(cfg: DictConfig, inputs: Inputs) -> None:
+    """Data with images needs a vision-language model: a `vision_config` in the directory's
+    config.json and an image processor. Read from its JSON files (nothing heavy imported)."""
+    if not _has_images(inputs):
+        return
+    reason = _not_vision(Path(inputs.model_path))
+    if reason:
+        source = OmegaConf.select(cfg, "data.source._target_")
+        path = OmegaConf.select(cfg, "data.source.train_path", default=None)
+        raise ConfigError(f"data.source ({source}{f', train_path={path}' if path else ''}) has images, "
+                          f"but the model at {inputs.model_path} is not a vision-language model "
+                          f"({reason}); use one, e.g. model=vlm")
+
+
+def _not_vision(path: Path) -> str | None:
+    """Why the model directory `path` takes no images, or None."""
+    if "vision_config" not in _json_or_empty(path / "config.json"):
+        return "its config.json has no vision_config"
+    if not (path / "preprocessor_config.json").is_file() and \
+            "image_processor" not in _json_or_empty(path / "processor_config.json"):
+        return ("it has no image processor: no preprocessor_config.json, no image_processor in "
+                "processor_config.json")
+    return None
+
+
+def _json_or_empty(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _has_images(inputs: Inputs) -> bool:
+    return any(split_images(p.messages)[1] for dm in (inputs.data, inputs.eval_data) for p in dm.problems)
+
+
+class ImageTokens:
+    """Lengths of prompts with images as the single-turn agent renders them
+    (rlexp/chat/images.py): the processor's chat template, each image's placeholder expanded
+    by the processor into that image's tokens. An image's expansion depends on its size only,
+    so it is measured once per size (a blank image of that size), and a prompt's length is its
+    text's tokens plus its images' expansions; the sum is checked against the processor's own
+    count of the first prompt, and where they differ every prompt goes through the processor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.placeholder: str | None = getattr(processor, "image_token", None)
+        self._placeholder_tokens = len(encode(processor.tokenizer, self.placeholder or "")) or 1
+        self._expansion: dict[tuple[int, int], int] = {}
+        self._summed: bool | None = None  # the sum is the processor's count (set at the first prompt)
+
+    @classmethod
+    def load(cls, cfg: DictConfig, inputs: Inputs) -> ImageTokens:
+        """The model directory's processor (transformers, no weights), after check_vision."""
+        check_vision(cfg, inputs)
+        from transformers import AutoProcessor
+
+        try:
+            return cls(AutoProcessor.from_pretrained(inputs.model_path))
+        except Exception as e:  # a processor transformers cannot build here
+            raise ConfigError(f"{inputs.model_path}: cannot load its processor to count image tokens "
+                              f"({type(e).__name__}: {' '.join(str(e).split())})") from e
+
+    def length(self, messages: list[dict[str, Any]], where: str, tools: list | None = None,
+               path: tool_prompt.ToolPath = "template") -> tuple[int, str]:
+        """(the prompt's tokens, `where` with its text and image tokens and its images)."""
+        bare, images = split_images(messages)
+        text = render_chat(self.processor.tokenizer, bare, tools, tool_prompt=path)
+        n_text = len(encode(self.processor.tokenizer, text)) - len(images) * self._placeholder_tokens
+        if self._summed is None:
+            self._summed = bool(self.placeholder) and self._sum(n_text, images) == self._full(text, images)
+        n = self._sum(n_text, images) if self._summed else self._full(text, images)
+        return n, f"{where}: {n_text} text + {n - n_text} image tokens for {len(images)} image(s)"
+
+    def _sum(self, n_text: int, images: list[Any]) -> int:
+        return n_text + sum(self._expanded(image.size) for image in images)
+
+    def _expanded(self, size: tuple[int, int]) -> int:
+        """The tokens the processor makes of one image of `size` (its placeholder included)."""
+        if size not in self._expansion:
+            from PIL import Image
+
+            blank = Image.new("RGB", size)
+            self._expansion[size] = self._full(str(self.placeholder), [blank])
+        return self._expansion[size]
+
+    def _full(self, text: str, images: list[Any]) -> int:
+        return len(self.processor(text=text, images=images, add_special_tokens=False)["input_ids"][0])
 
 
 def preflight(cfg: DictConfig) -> Inputs:
     validate(cfg, static=True)
     inputs = load_inputs(cfg)
+    check_vision(cfg, inputs)
     tokenizer = LightTokenizer.load(inputs.model_path)
     if tokenizer is not None:
         check_lengths(cfg, inputs, tokenizer)

@@ -24,13 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory) -> str:
-    from rlexp.models.vlm import build_vlm_model
-
-    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
-
-
-@pytest.fixture(scope="module")
 def vllm(vlm_path, tmp_path_factory):
     """The engine, and `reset()`: push the built weights back (a test that pushed others)."""
     from rlexp.weights.files import save_safetensors
@@ -215,3 +208,65 @@ def test_the_engine_gets_each_images_span_collapsed_to_the_placeholder(vlm_path)
         places.collapse(two, images=3)
     with pytest.raises(ValueError, match="hold 0 whole"):
         places.collapse(ids[:6] + ids[8:], images=1)  # a span cut short
+
+
+def test_multi_turn_image_conversations_keep_the_trainers_logprobs_before_and_after_a_push(
+        vllm, vlm_path, tmp_path):
+    """Three requests through the token-tracked client: a picture and a question, then a tool
+    message with the zoomed picture (rlexp/tools/zoom.py), then a plain follow-up. The stitched
+    sample (two pictures, no prefix break) scores in the trainer as the engine sampled it,
+    before and after a step whose weights are pushed."""
+    from functools import partial
+
+    from transformers import AutoTokenizer
+
+    from rlexp.chat.client import SessionStore
+    from rlexp.sample import Sample
+    from rlexp.tools.zoom import zoom
+    from rlexp.trainer.controller import TrainController
+    from rlexp.weights.files import save_safetensors
+
+    vllm.reset()
+    tokenizer = AutoTokenizer.from_pretrained(vlm_path)
+    store = SessionStore(vllm.engine, tokenizer, max_context=256)
+    trainer = TrainController(vlm_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
+                              optimizer=partial(torch.optim.SGD, lr=0.5))
+
+    async def conversation(i: int):
+        picture = _image(1 + i % 3, "red")
+        messages = [{"role": "user", "content": [{"type": "image", "image": picture},
+                                                 {"type": "text", "text": "How many circles?"}]}]
+        async with store.record(SamplingConfig(1.0, 1.0, 10, seed=i)) as rec:
+            for follow_up in ([{"type": "image", "image": zoom(picture, "top-left")},
+                               {"type": "text", "text": "The top-left quarter."}], "Are you sure?", None):
+                r = await rec.client.chat.completions.create(messages=messages, seed=i)
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                if follow_up:
+                    messages.append({"role": "tool" if isinstance(follow_up, list) else "user",
+                                     "content": follow_up})
+        return rec.samples(Sample(group_id=0, uid=i, prompt=[], answer="1", reward=float(i % 2)))
+
+    def rollouts():
+        async def all_of():
+            return [s for ss in await asyncio.gather(*(conversation(i) for i in range(4))) for s in ss]
+        return vllm.run(all_of())
+
+    def worst(samples) -> float:
+        ours = trainer.sample_logprobs(samples)
+        return max((lp - torch.tensor(s.logprobs))[torch.tensor(s.loss_mask).bool()].abs().max().item()
+                   for s, lp in zip(samples, ours))
+
+    before = rollouts()
+    assert len(before) == 4 and all(s.metadata["prefix_breaks"] == 0 for s in before)
+    assert all(len(s.mm_infer_info["images"]) == 2 and s.mm_train_info["pixel_values"].shape[0] == 2
+               for s in before)
+    assert all(sum(t["mask"] for t in s.trace.turns) == 3 for s in before)
+    parity_before = worst(before)
+    trainer.fit(before, version=0)
+    save_safetensors(trainer.weights(), tmp_path)
+    vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
+    parity_after, moved = worst(rollouts()), worst(before)
+    print(f"\n[vlm] trainer vs engine, 3-turn conversations with a zoomed picture from a tool: max "
+          f"|logprob diff| {parity_before:.2e} before a step, {parity_after:.2e} after it and a weight push "
+          f"(the old samples now {moved:.2e} off); prefix breaks 0 of 8 continued requests")
+    assert parity_before < 1e-4 and parity_after < 1e-4 and moved > 100 * max(parity_after, 1e-5)

@@ -15,6 +15,8 @@ import io
 from pathlib import Path
 from typing import Any
 
+from rlexp.chat.render import render_prompt_text
+from rlexp.data.images import load_images
 from rlexp.errors import SessionError
 from rlexp.sample import split_images
 
@@ -28,8 +30,9 @@ def images_of(messages: list[dict[str, Any]]) -> list[Any]:
 
 def load_image_url(url: str):
     """The PIL image (RGB, fully read) of an OpenAI `image_url`: a data URL
-    (`data:image/png;base64,...`), a `file://` URL or a local path. Nothing is fetched over
-    the network. A ValueError says what is wrong."""
+    (`data:image/png;base64,...`), a `file://` URL or a local path, read as a data row's image
+    is (rlexp/data/images.py). Nothing is fetched over the network. A ValueError says what is
+    wrong."""
     if url.startswith("data:"):
         head, _, data = url.partition(",")
         if not head.endswith(";base64"):
@@ -38,14 +41,8 @@ def load_image_url(url: str):
             raw = base64.b64decode(data, validate=True)
         except binascii.Error as e:
             raise ValueError(f"the data URL is not valid base64: {e}") from None
-        return _decode(io.BytesIO(raw), "the data URL's bytes")
-    if "://" in url and not url.startswith("file://"):
-        raise ValueError(f"{url.split('://')[0]}:// images are not fetched (rlexp reaches no network): "
-                         "send a data URL or a local path")
-    path = Path(url.removeprefix("file://"))
-    if not path.is_file():
-        raise ValueError(f"no image file at {path}")
-    return _decode(path, str(path))
+        return load_images(raw, Path("/"), "the data URL")[0]
+    return load_images(url.removeprefix("file://"), Path("/"), "the image_url")[0]
 
 
 def data_url(image) -> str:
@@ -61,16 +58,6 @@ def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**m, "content": [{"type": "image_url", "image_url": {"url": data_url(p["image"])}}
                               if p.get("type") == "image" else p for p in m["content"]]}
             if isinstance(m.get("content"), list) else dict(m) for m in messages]
-
-
-def _decode(source, what: str):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(source) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise ValueError(f"{what}: not a readable image ({e})") from None
 
 
 def image_key(image) -> str:
@@ -108,7 +95,7 @@ class ImagePrompts:
     def __call__(self, messages: list[dict[str, Any]]) -> tuple[str, list[int], dict, dict]:
         """(text, token ids, mm_infer_info, mm_train_info) of the prompt `messages`."""
         bare, images = split_images(messages)
-        text = self.processor.apply_chat_template(bare, add_generation_prompt=True, tokenize=False)
+        text = render_prompt_text(self.tokenizer, bare)  # a string content (a system prompt) as a text part
         enc = self.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
         train = {k: enc[k][0] for k in PIXEL_KEYS if k in enc}
         return text, enc["input_ids"][0].tolist(), {"images": images}, train

@@ -3,8 +3,9 @@ or a Hugging Face `datasets` directory written by `save_to_disk`).
 
 A source returns `Problem`s for a split ("train" or "eval"). The file sources read every row
 when built (in preflight, before any heavy import) and fail with one line naming the file,
-the row and the key; pyarrow is imported only by the sources that need it. Nothing is ever
-downloaded: a path must be local."""
+the row and the key; pyarrow is imported only by the sources that need it, PIL only by those
+with an `image_key` (rows with images: rlexp/data/images.py). Nothing is ever downloaded: a
+path must be local."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlexp.data import arithmetic
+from rlexp.data.images import load_images
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,14 @@ class PromptSource(Protocol):
         ...
 
 
-def _messages(question: str, system_prompt: str | None) -> list[dict[str, str]]:
+def _messages(question: str, system_prompt: str | None, images: list | None = None) -> list[dict[str, Any]]:
+    """The system prompt (if any) and the user's question; with `images` (a list, even empty),
+    the question's content is parts: the images first, then the text."""
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return system + [{"role": "user", "content": question}]
+    content: Any = question
+    if images is not None:
+        content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": question}]
+    return system + [{"role": "user", "content": content}]
 
 
 class ArithmeticSource:
@@ -54,14 +61,17 @@ class _RowSource:
     """What the file sources share (the one owner of it): a row, a mapping of field names
     to values, becomes a Problem by `question_key` / `answer_key` (a string or a number);
     if `answer_pattern` is set, the reference answer is its first group in the answer field
-    (GSM8K: `####\\s*(.+)$`). The eval split is the eval rows, or else `eval_size` train
-    rows held out by `seed`. Subclasses read their format and call `_map` and `_split`."""
+    (GSM8K: `####\\s*(.+)$`). With `image_key` set, that field names the row's images
+    (rlexp/data/images.py: one or a list, paths relative to `base`, bytes, or `datasets` Image
+    dicts) and the question becomes image parts then a text part, for a vision-language model.
+    The eval split is the eval rows, or else `eval_size` train rows held out by `seed`.
+    Subclasses read their format and call `_map` and `_split`."""
 
     splits: dict[str, list[Problem]]
 
     def _fields(self, question_key: str, answer_key: str, answer_pattern: str | None,
-                system_prompt: str | None) -> None:
-        self.question_key, self.answer_key = question_key, answer_key
+                system_prompt: str | None, image_key: str | None) -> None:
+        self.question_key, self.answer_key, self.image_key = question_key, answer_key, image_key
         self.pattern = re.compile(answer_pattern, re.M) if answer_pattern else None
         self.system_prompt = system_prompt
 
@@ -79,22 +89,29 @@ class _RowSource:
         random.Random(seed).shuffle(train)
         self.splits = {"train": train[eval_size:], "eval": train[:eval_size]}
 
+    def _columns(self) -> list[str]:
+        """The fields a row needs, each once."""
+        return list(dict.fromkeys(k for k in (self.question_key, self.answer_key, self.image_key) if k))
+
     def _require(self, names: Iterable[str], where: str, what: str = "key") -> None:
-        """`where` (a row, or a table whose columns are `names`) has both fields."""
+        """`where` (a row, or a table whose columns are `names`) has every field it needs."""
         present = set(names)
-        for option, key in (("question_key", self.question_key), ("answer_key", self.answer_key)):
-            if key not in present:
+        options = (("question_key", self.question_key), ("answer_key", self.answer_key),
+                   ("image_key", self.image_key))
+        for option, key in options:
+            if key and key not in present:
                 raise ValueError(f"{where}: missing {what} {key!r} (has {sorted(present)}); "
                                  f"see data.source.{option}")
 
     def _map(self, rows: Iterable[Mapping[str, Any]], where: Callable[[int], str],
-             name: str) -> list[Problem]:
-        problems = [self._problem(row, where(i)) for i, row in enumerate(rows)]
+             name: str, base: Path) -> list[Problem]:
+        """`base`: the directory relative image paths are in."""
+        problems = [self._problem(row, where(i), base) for i, row in enumerate(rows)]
         if not problems:
             raise ValueError(f"{name}: no rows")
         return problems
 
-    def _problem(self, row: Mapping[str, Any], where: str) -> Problem:
+    def _problem(self, row: Mapping[str, Any], where: str, base: Path) -> Problem:
         self._require(row, where)
         values = []
         for key in (self.question_key, self.answer_key):
@@ -109,18 +126,22 @@ class _RowSource:
                 raise ValueError(f"{where}: answer {answer[-40:]!r} does not match "
                                  f"answer_pattern {self.pattern.pattern!r}")
             answer = m.group(1).strip()
-        return Problem(_messages(question, self.system_prompt), answer, where)
+        images = None
+        if self.image_key:
+            images = load_images(row[self.image_key], base, f"{where}: key {self.image_key!r}")
+        return Problem(_messages(question, self.system_prompt, images), answer, where)
 
 
 class JsonlSource(_RowSource):
     """One JSON object per line; rows are named `file:line`. Fields and hold-out: `_RowSource`.
-    Without `eval_path`, `eval_size` rows of the train file are held out by `seed`."""
+    Without `eval_path`, `eval_size` rows of the train file are held out by `seed`. Image
+    paths (`image_key`) are relative to the file's directory."""
 
     def __init__(self, train_path: str, eval_path: str | None = None,
                  question_key: str = "question", answer_key: str = "answer",
                  answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
-                 system_prompt: str | None = None):
-        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+                 system_prompt: str | None = None, image_key: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
                     train_path)
 
@@ -129,7 +150,7 @@ class JsonlSource(_RowSource):
         with path.open(encoding="utf-8") as f:
             lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
         return self._map((self._parse(line, f"{path}:{n}") for n, line in lines),
-                         lambda i: f"{path}:{lines[i][0]}", str(path))
+                         lambda i: f"{path}:{lines[i][0]}", str(path), path.parent)
 
     @staticmethod
     def _parse(line: str, where: str) -> dict:
@@ -145,13 +166,14 @@ class JsonlSource(_RowSource):
 class ParquetSource(_RowSource):
     """A local Parquet file, one problem per row; rows are named `file: row i` (from 0, as
     `pandas.read_parquet(file).iloc[i]`). Fields and hold-out as JsonlSource (`_RowSource`);
-    only the two columns are read."""
+    only the keys' columns are read. Images (`image_key`): paths relative to the file's
+    directory, bytes, or `datasets` Image dicts."""
 
     def __init__(self, train_path: str, eval_path: str | None = None,
                  question_key: str = "question", answer_key: str = "answer",
                  answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
-                 system_prompt: str | None = None):
-        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+                 system_prompt: str | None = None, image_key: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
                     train_path)
 
@@ -165,10 +187,10 @@ class ParquetSource(_RowSource):
         try:
             parquet = pq.ParquetFile(path)
             self._require(parquet.schema_arrow.names, str(path), "column")
-            table = parquet.read(columns=list(dict.fromkeys((self.question_key, self.answer_key))))
+            table = parquet.read(columns=self._columns())
         except (pa.ArrowException, OSError) as e:
             raise ValueError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
-        return self._map(table.to_pylist(), lambda i: f"{path}: row {i}", str(path))
+        return self._map(table.to_pylist(), lambda i: f"{path}: row {i}", str(path), path.parent)
 
 
 class HFDiskSource(_RowSource):
@@ -176,7 +198,9 @@ class HFDiskSource(_RowSource):
     downloaded): a DatasetDict directory, whose `train_split` (and `eval_split`, if set) are
     used, or a single Dataset directory, used whole. Without `eval_split` or `eval_path`,
     `eval_size` train rows are held out by `seed`; `eval_path` is another such directory.
-    Rows are named `split dir: row i` (from 0, as `ds[split][i]`). Fields as JsonlSource.
+    Rows are named `split dir: row i` (from 0, as `ds[split][i]`). Fields as JsonlSource;
+    images (`image_key`) as ParquetSource, paths relative to the directory named here
+    (`datasets.Image()` columns hold the bytes themselves).
 
     Read with pyarrow, as `datasets.load_from_disk` reads it (state.json lists the Arrow
     stream files of a split, in order; dataset_dict.json lists the splits), because
@@ -186,8 +210,8 @@ class HFDiskSource(_RowSource):
     def __init__(self, train_path: str, eval_path: str | None = None, train_split: str = "train",
                  eval_split: str | None = None, question_key: str = "question", answer_key: str = "answer",
                  answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
-                 system_prompt: str | None = None):
-        self._fields(question_key, answer_key, answer_pattern, system_prompt)
+                 system_prompt: str | None = None, image_key: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         train = self._load(train_path, train_split, "train_split")
         eval_rows = None
         if eval_path or eval_split:
@@ -199,7 +223,7 @@ class HFDiskSource(_RowSource):
         self._split(train, eval_rows, eval_size, seed, train_path)
 
     def _load(self, name: str, split: str | None, key: str) -> list[Problem]:
-        path = _local_dir(name)
+        path = root = _local_dir(name)
         if _is_dataset_dict(path):
             splits = _read_json(path / "dataset_dict.json").get("splits")
             if not isinstance(splits, list):
@@ -211,9 +235,9 @@ class HFDiskSource(_RowSource):
             path = path / split
             if not path.is_dir():
                 raise ValueError(f"{path}: split {split!r} listed in dataset_dict.json but missing")
-        return self._read_dataset(path)
+        return self._read_dataset(path, root)
 
-    def _read_dataset(self, path: Path) -> list[Problem]:
+    def _read_dataset(self, path: Path, base: Path) -> list[Problem]:
         import pyarrow as pa
 
         state_file = path / "state.json"
@@ -234,9 +258,9 @@ class HFDiskSource(_RowSource):
             except (pa.ArrowException, OSError) as e:
                 raise ValueError(f"{file}: not a readable Arrow file ({_one_line(e)})") from None
             self._require(table.column_names, str(file), "column")
-            tables.append(table.select(list(dict.fromkeys((self.question_key, self.answer_key)))))
+            tables.append(table.select(self._columns()))
         rows = [row for table in tables for row in table.to_pylist()]
-        return self._map(rows, lambda i: f"{path}: row {i}", str(path))
+        return self._map(rows, lambda i: f"{path}: row {i}", str(path), base)
 
 
 def _kind(value: Any) -> str:
