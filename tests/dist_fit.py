@@ -4,25 +4,28 @@ the trainer driven without Ray, Hydra or vLLM. Used by tests/test_distributed_tr
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_fit.py MODEL OUT [--load D] [--save D]
 
 Without torchrun it runs unsharded in one process. Writes {config: {"metrics", "weights"}}
-to OUT from rank 0, for minibatches_per_step 1 and 2."""
+to OUT from rank 0, for minibatches_per_step 1 and 2 ("weights": what the engine would get).
+`--vlm`: MODEL is a vision-language model (rlexp/models/vlm.py), the batches carry images."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import random
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
+from PIL import Image, ImageDraw
+from transformers import AutoConfig, AutoTokenizer
 
 from rlexp.algorithms.advantages import GroupNormalized
 from rlexp.algorithms.aggregation import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
 from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm
+from rlexp.chat.images import ImagePrompts
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer import distributed
 from rlexp.trainer.controller import TrainController
@@ -54,6 +57,39 @@ def make_batch(seed: int, groups: int = 4, per_group: int = 4, routing: tuple[in
     return out
 
 
+@cache
+def _image_prompts(model: str) -> ImagePrompts:
+    return ImagePrompts(AutoTokenizer.from_pretrained(model))
+
+
+def make_vlm_batch(model: str, seed: int, groups: int = 4, per_group: int = 4) -> list[Sample]:
+    """Image prompts rendered by `model`'s processor (1 or 2 pictures of random circles, some
+    not square: padded pixels; each image's tokens expanded), random responses and rewards;
+    each sample carries its pixel inputs (`mm_train_info`) as an agent's rollout leaves them."""
+    g = random.Random(seed)
+    out = []
+    for gid in range(groups):
+        for j in range(per_group):
+            images = []
+            for _ in range(1 + (gid + j) % 2):
+                img = Image.new("RGB", g.choice([(64, 64), (96, 72), (48, 80)]), "white")
+                for _ in range(g.randint(1, 3)):
+                    x, y, color = g.randint(0, 40), g.randint(0, 40), g.choice(["red", "blue", "green"])
+                    ImageDraw.Draw(img).ellipse((x, y, x + 16, y + 16), fill=color)
+                images.append(img)
+            content = [*({"type": "image", "image": img} for img in images),
+                       {"type": "text", "text": g.choice(["How many circles?", "Which colour?"])}]
+            _, prompt, _, pixels = _image_prompts(model)([{"role": "user", "content": content}])
+            n_resp = g.randint(2, 14)
+            tokens = prompt + [g.randint(5, 100) for _ in range(n_resp)]
+            logprobs = [0.0] * len(prompt) + [-g.random() * 3 for _ in range(n_resp)]
+            s = Sample(group_id=gid, prompt=[], answer="", trace=TokenTrace(
+                tokens, [0] * len(prompt) + [1] * n_resp, logprobs, [0] * len(tokens)))
+            s.reward, s.status, s.mm_train_info = float(g.random() > 0.5), Status.COMPLETED, pixels
+            out.append(s)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -69,6 +105,8 @@ def main() -> None:
     p.add_argument("--kl-where", default="loss", choices=["loss", "reward"])
     p.add_argument("--critic", action="store_true", help="PPO: GAE with a critic")
     p.add_argument("--routing-replay", action="store_true", help="MoE: replay random routing")
+    p.add_argument("--vlm", action="store_true", help="a vision-language model: batches with images")
+    p.add_argument("--freeze-vision", action="store_true", help="trainer.freeze_vision")
     a = p.parse_args()
     routing = None
     if a.routing_replay:
@@ -91,11 +129,13 @@ def main() -> None:
                                   lora={"rank": a.lora_rank},
                                   advantage=GAE(lam=0.95) if a.critic else GroupNormalized(),
                                   critic=partial(Critic, optimizer=optimizer) if a.critic else None,
-                                  routing_replay="rollout" if routing else "none")
+                                  routing_replay="rollout" if routing else "none",
+                                  freeze_vision=a.freeze_vision)
         if a.load:
             trainer.load(Path(a.load) / f"mb{mb}")
-        metrics = [trainer.fit(make_batch(a.first_seed + i, routing=routing), a.first_seed + i)
-                   for i in range(a.fits)]
+        batches = [make_vlm_batch(a.model, a.first_seed + i) if a.vlm
+                   else make_batch(a.first_seed + i, routing=routing) for i in range(a.fits)]
+        metrics = [trainer.fit(batch, a.first_seed + i) for i, batch in enumerate(batches)]
         if a.save:
             (Path(a.save) / f"mb{mb}").mkdir(parents=True, exist_ok=True)
             trainer.save(Path(a.save) / f"mb{mb}")

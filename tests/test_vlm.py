@@ -80,8 +80,12 @@ def test_the_processor_needs_no_torchvision_and_expands_each_image():
 
 
 def _logprobs(model, ids: list[int], pixels: dict) -> torch.Tensor:
+    """transformers' logprobs of `ids`, the image placeholders masked (the engine never samples one)."""
+    from rlexp.models.vlm import placeholder_ids
+
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), **pixels).logits[0, :-1].float()
+    logits[:, placeholder_ids(model.config)] = float("-inf")
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
@@ -131,10 +135,13 @@ def _image_samples(n: int):
             for i in range(n)]
 
 
-def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(vllm, vlm_path, tmp_path):
+@pytest.mark.parametrize("freeze_vision", [False, True], ids=["vision trains", "vision frozen"])
+def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(vllm, vlm_path, tmp_path,
+                                                                               freeze_vision):
     """agent=single_turn renders image prompts through the processor (the sample keeps the
     images and their pixel inputs); the trainer's forward takes the pixels (logprobs equal the
-    engine's), trains, and its weights pushed to the engine are what the engine then serves."""
+    engine's), trains, and its weights pushed to the engine are what the engine then serves.
+    With the vision encoder frozen, the push leaves it out and the engine keeps its own."""
     from functools import partial
 
     from transformers import AutoTokenizer
@@ -147,7 +154,7 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
 
     vllm.reset()
     trainer = TrainController(vlm_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
-                              optimizer=partial(torch.optim.SGD, lr=0.5))
+                              optimizer=partial(torch.optim.SGD, lr=0.5), freeze_vision=freeze_vision)
     agent = SingleTurnAgent(vllm.engine, AutoTokenizer.from_pretrained(vlm_path), MathExactJudge())
 
     def worst(samples) -> float:
@@ -164,10 +171,13 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
     for s in before:
         s.reward = float(s.uid % 2)  # a signal to train on, whatever the judge said
     metrics = trainer.fit(before, version=0)
-    save_safetensors(trainer.weights(), tmp_path)
+    pushed = dict(trainer.weights())
+    assert any("vision_model" in name for name in pushed) != freeze_vision
+    save_safetensors(pushed.items(), tmp_path)
     vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
     parity_after, moved = worst(vllm.run(rollouts())), worst(before)
-    print(f"\n[vlm] trainer vs engine, single-turn image samples: max |logprob diff| {parity_before:.2e} "
+    print(f"\n[vlm] trainer vs engine, single-turn image samples, freeze_vision={freeze_vision}: "
+          f"max |logprob diff| {parity_before:.2e} "
           f"before a step, {parity_after:.2e} after it and a weight push (the old samples now {moved:.2e} "
           f"off)")
     assert metrics["train/skipped_step"] == 0.0
@@ -221,8 +231,8 @@ def test_multi_turn_image_conversations_keep_the_trainers_logprobs_before_and_af
     from transformers import AutoTokenizer
 
     from rlexp.chat.client import SessionStore
+    from rlexp.data.images import zoom
     from rlexp.sample import Sample
-    from rlexp.tools.zoom import zoom
     from rlexp.trainer.controller import TrainController
     from rlexp.weights.files import save_safetensors
 
@@ -270,3 +280,54 @@ def test_multi_turn_image_conversations_keep_the_trainers_logprobs_before_and_af
           f"|logprob diff| {parity_before:.2e} before a step, {parity_after:.2e} after it and a weight push "
           f"(the old samples now {moved:.2e} off); prefix breaks 0 of 8 continued requests")
     assert parity_before < 1e-4 and parity_after < 1e-4 and moved > 100 * max(parity_after, 1e-5)
+
+
+def test_the_policy_never_samples_an_image_placeholder_and_the_trainer_scores_it_alike(vllm, vlm_path,
+                                                                                        tmp_path):
+    """A policy that would write `<image>` in its reply breaks its own training forward (the
+    token asks for an image slot that has no image). Weights that make `<image>` the likeliest
+    next token (p > 0.9 unmasked): the engine never samples it, and the trainer's logprobs,
+    which mask it as the engine does, still equal the engine's."""
+    from functools import partial
+
+    from rlexp.models.vlm import placeholder_ids
+    from rlexp.trainer.controller import TrainController
+    from rlexp.weights.files import save_safetensors
+
+    model = _model(vlm_path)
+    (image_id,) = placeholder_ids(model.config)
+    ids, images, pixels = _prompts(vlm_path)[0]
+    with torch.no_grad():
+        h = model(input_ids=torch.tensor([ids]), output_hidden_states=True, **pixels).hidden_states[-1][0, -1]
+        model.lm_head.weight[image_id] = 30 * h / h.dot(h)  # a logit of 30 after this prompt
+        p_image = torch.softmax(model(input_ids=torch.tensor([ids]), **pixels).logits[0, -1], -1)[image_id]
+    assert p_image > 0.9
+    save_safetensors(model.state_dict().items(), tmp_path)
+    vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
+    async def sample():
+        return await asyncio.gather(*(vllm.engine.generate(ids, SamplingConfig(1.0, 1.0, 10, seed=i), images)
+                                      for i in range(8)))
+
+    try:
+        gens = vllm.run(sample())
+        trainer = TrainController(vlm_path, temperature=1.0, total_steps=1, ref_kl_every_n_steps=0,
+                                  optimizer=partial(torch.optim.SGD, lr=0.0))
+        trainer.model.load_state_dict(model.state_dict())
+    finally:
+        vllm.reset()
+    assert not any(image_id in g.token_ids for g in gens)
+    from rlexp.sample import Sample, TokenTrace
+
+    samples = []
+    for g in gens:
+        trace = TokenTrace()
+        trace.append(ids, role="prompt")
+        trace.append(g.token_ids, role="assistant", generation=g)
+        samples.append(Sample(group_id=0, prompt=[], answer="", trace=trace,
+                              mm_train_info={k: v[0] for k, v in pixels.items()}))
+    ours = trainer.sample_logprobs(samples)
+    worst = max((lp - torch.tensor(s.logprobs))[torch.tensor(s.loss_mask).bool()].abs().max().item()
+                for s, lp in zip(samples, ours))
+    print(f"\n[vlm] <image> at p={p_image:.3f} unmasked: sampled 0 times in 8 x 10 tokens; "
+          f"trainer vs engine max |logprob diff| {worst:.2e}")
+    assert worst < 1e-4

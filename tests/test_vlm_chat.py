@@ -201,8 +201,8 @@ def test_zoom_returns_the_quarter_enlarged_and_errors_as_text():
 
 def test_the_tool_agent_sends_the_zoomed_picture_back_to_the_engine(vlm):
     from rlexp.agents.tool import ToolAgent
+    from rlexp.data.images import zoom
     from rlexp.judges.math_exact import MathExactJudge
-    from rlexp.tools.zoom import zoom
 
     tokenizer, processor = vlm
     call = '<tool_call>{"name": "zoom", "arguments": {"quarter": "top-left"}}</tool_call>'

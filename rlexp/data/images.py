@@ -74,3 +74,21 @@ def _decode(data: bytes, what: str, where: str):
     except Exception as e:  # whatever else PIL raises on bytes it cannot decode (truncated, corrupt)
         detail = " ".join(str(e).split()) or type(e).__name__
     raise ValueError(f"{where}: PIL cannot decode {what} ({detail})")
+
+
+QUARTERS = ("top-left", "top-right", "bottom-left", "bottom-right")
+
+
+def zoom(image, quarter: str):
+    """The `quarter` (one of QUARTERS) of `image`, resized to the image's size."""
+    from PIL import Image
+
+    w, h = image.size
+    col, row = QUARTERS.index(quarter) % 2, QUARTERS.index(quarter) // 2
+    box = (col * w // 2, row * h // 2, (col + 1) * w // 2, (row + 1) * h // 2)
+    return image.crop(box).resize((w, h), Image.Resampling.BICUBIC)
+
+
+def zoom_caption(quarter: str, k: int) -> str:
+    """The text beside a zoomed picture (the zoom tool's, and the VLM warm-start's)."""
+    return f"The {quarter} quarter of picture {k}."

@@ -27,12 +27,16 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rlexp.data.images import zoom, zoom_caption
+from rlexp.data.sources import Problem
 from rlexp.models.arch import FORMAT_VERSION, TEMPLATE_DIR, build_arch_model, cached_build
 from rlexp.sample import split_images
 
 log = logging.getLogger(__name__)
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
 EOS = "<end_of_utterance>"
+IMAGE = "<image>"
+ZOOM_CALL = '<tool_call>{"name": "zoom", "arguments": {"quarter": "top-left"}}</tool_call>'
 
 
 def build_vlm_model(
@@ -50,6 +54,7 @@ def build_vlm_model(
     warm_start_batch_size: int = 32,
     warm_start_lr: float = 0.003,
     warm_start_target_accuracy: float = 0.35,
+    warm_start_format: str = "answer",
     task_max_shapes: int = 4,
     task_train_size: int = 2000,
     task_eval_size: int = 200,
@@ -62,17 +67,31 @@ def build_vlm_model(
     (rlexp/data/shapes.py with the `task_*` arguments; never its held-out problems) until
     greedy decoding answers `warm_start_target_accuracy` of a probe of its problems, so that
     RL starts from a policy that is sometimes right (as the tiny text model does)."""
+    if warm_start_format not in ("answer", "zoom"):
+        raise ValueError(f"model.warm_start_format must be 'answer' or 'zoom', got {warm_start_format!r}")
     if image_size % patch_size or (image_size // patch_size) % scale_factor:
         raise ValueError(
             f"model: image_size={image_size} must be a multiple of patch_size={patch_size} x "
             f"scale_factor={scale_factor}"
         )
-    args = {k: v for k, v in locals().items() if k != "cache_dir"}
+    args = {k: v for k, v in locals().items() if k not in ("cache_dir", "warm_start_format")}
+    if warm_start_format != "answer":  # the answer format's models keep their cache key
+        args["warm_start_format"] = warm_start_format
     template = hashlib.sha1((TEMPLATE_DIR / "smolvlm.jinja").read_bytes()).hexdigest()[:12]
     return cached_build(
         "smolvlm", args | {"template": template}, FORMAT_VERSION, cache_dir,
         lambda out: _build(out, cache_dir, **args)
     )
+
+
+def placeholder_ids(config) -> list[int]:
+    """A vision-language model's image placeholder token ids, from its (transformers) config;
+    none for a text model. A policy must never sample one: its forward would take the token
+    for an image slot and find no image for it (transformers raises; EasyR1 #110, verl #3469).
+    So the engine masks them when sampling (rlexp/rollout/vllm_engine.py) and the trainer when
+    scoring (rlexp/trainer/controller.py): both see the same distribution."""
+    ids = {getattr(config, key, None) for key in ("image_token_id", "image_token_index", "video_token_id")}
+    return sorted(i for i in ids if isinstance(i, int))
 
 
 def image_tokens(image_size: int, patch_size: int, scale_factor: int) -> int:
@@ -89,7 +108,8 @@ def _build(out: Path, cache_dir: str, **args: Any) -> None:
                             args["task_eval_size"], args["task_seed"])
         accuracy = warm_start(model, processor, task.problems("train"), args["warm_start_steps"],
                               args["warm_start_batch_size"], args["warm_start_lr"],
-                              args["warm_start_target_accuracy"], args["seed"])
+                              args["warm_start_target_accuracy"], args["seed"],
+                              args.get("warm_start_format", "answer"))
         log.info("vlm: warm-started to probe accuracy %.3f", accuracy)
     model.save_pretrained(out)
     processor.save_pretrained(out)
@@ -155,6 +175,40 @@ def _example(processor, problem) -> tuple[list[int], list[int], dict[str, Any]]:
     return ids, [-100] * n + ids[n:], {k: v[0] for k, v in enc.items() if k.startswith("pixel")}
 
 
+def zoom_first(problem) -> Problem:
+    """`problem` as the zoom format's warm-start sees it: the policy has called the zoom tool
+    on the top-left quarter and the tool message holds the zoomed picture (rlexp/tools/zoom.py,
+    with agent.tool_prompt=template); the answer comes next."""
+    picture = split_images(problem.messages)[1][0]
+    call = {"role": "assistant", "content": [{"type": "text", "text": ZOOM_CALL}]}
+    tool = {"role": "tool", "content": [{"type": "image", "image": zoom(picture, "top-left")},
+                                        {"type": "text", "text": zoom_caption("top-left", 0)}]}
+    return Problem([*problem.messages, call, tool], problem.answer, problem.where)
+
+
+def _conversation_example(processor, problem) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(token ids, labels on every assistant reply and its end of turn, pixel inputs) of the
+    conversation `problem.messages` + its answer, built turn by turn as a chat session builds
+    it: each prompt's new text, with its pictures expanded, then the reply's tokens."""
+    reply = {"role": "assistant", "content": [{"type": "text", "text": problem.answer}]}
+    bare, images = split_images([*problem.messages, reply])
+    ids: list[int] = []
+    labels: list[int] = []
+    text, used = "", 0
+    for k, m in enumerate(bare):
+        if m["role"] != "assistant":
+            continue
+        prompt = processor.apply_chat_template(bare[:k], add_generation_prompt=True, tokenize=False)
+        new_text, n = prompt[len(text):], prompt[len(text):].count(IMAGE)
+        new = processor(text=new_text, images=images[used:used + n] or None, add_special_tokens=False)
+        answer = processor.tokenizer.encode(m["content"][0]["text"] + EOS, add_special_tokens=False)
+        ids += list(new["input_ids"][0]) + answer
+        labels += [-100] * len(new["input_ids"][0]) + answer
+        text, used = prompt + m["content"][0]["text"] + EOS, used + n
+    pixels = processor.image_processor([images], return_tensors="pt")
+    return ids, labels, {k: v[0] for k, v in pixels.items() if k.startswith("pixel")}
+
+
 def greedy_accuracy(model, processor, problems) -> float:
     """Share of `problems` whose greedy reply (up to 4 tokens) is exactly the answer."""
     import torch
@@ -174,19 +228,23 @@ def greedy_accuracy(model, processor, problems) -> float:
 
 
 def warm_start(model, processor, problems, steps: int, batch_size: int, lr: float, target_accuracy: float,
-               seed: int) -> float:
+               seed: int, fmt: str = "answer") -> float:
     """Supervised training on (picture, question) -> answer of `problems` (a training split),
     loss on the answer and its end of turn, for at most `steps` steps, stopping once greedy
     decoding answers `target_accuracy` of a fixed probe of 128 of them (checked every 25
-    steps). Returns the last probe accuracy."""
+    steps). Returns the last probe accuracy. `fmt="zoom"`: the conversation first calls the
+    zoom tool (`zoom_first`), loss on the call and the answer; the probe answers after it."""
     import torch
 
     rng = random.Random(seed)
+    example = _example
+    if fmt == "zoom":
+        problems, example = [zoom_first(p) for p in problems], _conversation_example
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     accuracy = 0.0
     for step in range(1, steps + 1):
         model.train()
-        batch = [_example(processor, p) for p in rng.choices(problems, k=batch_size)]
+        batch = [example(processor, p) for p in rng.choices(problems, k=batch_size)]
         width = max(len(ids) for ids, _, _ in batch)
         pad = processor.tokenizer.pad_token_id
         ids = torch.tensor([i + [pad] * (width - len(i)) for i, _, _ in batch])

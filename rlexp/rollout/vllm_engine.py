@@ -21,6 +21,7 @@ from rlexp import orphans
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
 from rlexp.models.local import resolve_dtype
+from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.vllm_images import ImagePlaceholders
@@ -145,6 +146,7 @@ class VLLMEngine:
         self._install_capture = routing_capture and not on_gpu  # in the workers, before the first request
         self.model_path = model_path
         self._placeholders: ImagePlaceholders | None = None  # made at the first image prompt
+        self.unsampled = placeholder_ids(self.llm.model_config.hf_config)  # a VLM's image placeholders
 
     def _start(self, kwargs: dict[str, Any], on_gpu: bool) -> None:
         """vLLM's IPC sockets go into a directory of this engine's, so that a later run can
@@ -205,8 +207,7 @@ class VLLMEngine:
                                   top if sampling.top_logprobs else None, routing)
             segment += 1
 
-    @staticmethod
-    def _params(sampling: SamplingConfig):
+    def _params(self, sampling: SamplingConfig):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -221,7 +222,7 @@ class VLLMEngine:
             seed=sampling.seed,
             frequency_penalty=sampling.frequency_penalty,
             presence_penalty=sampling.presence_penalty,
-            logit_bias=sampling.logit_bias,
+            logit_bias=(sampling.logit_bias or {}) | dict.fromkeys(self.unsampled, float("-inf")) or None,
             logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
             structured_outputs=constraint,

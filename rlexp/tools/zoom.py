@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-QUARTERS = ("top-left", "top-right", "bottom-left", "bottom-right")
+from rlexp.data.images import QUARTERS, zoom, zoom_caption
 
 
 class Zoom:
@@ -34,14 +34,4 @@ class Zoom:
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(images):
             return f"error: 'image' must be a picture's index, 0 .. {len(images) - 1}"
         return [{"type": "image", "image": zoom(images[k], args["quarter"])},
-                {"type": "text", "text": f"The {args['quarter']} quarter of picture {k}."}]
-
-
-def zoom(image, quarter: str):
-    """The `quarter` of `image`, resized to the image's size."""
-    from PIL import Image
-
-    w, h = image.size
-    col, row = QUARTERS.index(quarter) % 2, QUARTERS.index(quarter) // 2
-    box = (col * w // 2, row * h // 2, (col + 1) * w // 2, (row + 1) * h // 2)
-    return image.crop(box).resize((w, h), Image.Resampling.BICUBIC)
+                {"type": "text", "text": zoom_caption(args["quarter"], k)}]

@@ -18,7 +18,6 @@ fewer pads with a masked-out one. Metrics are summed (maxima: maxed) over ranks.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -35,18 +34,18 @@ from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
 from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip, TokenInputs
 from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
+from rlexp.models.vlm import placeholder_ids
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed, fit_metrics
 from rlexp.trainer.critic import Critic, critic_report
 from rlexp.trainer.fit_batch import FitBatch, Piece
-from rlexp.trainer.lora import ADAPTER_FILE, adapters_off, is_adapter, merged_weights
-from rlexp.trainer.policy import build_policy
+from rlexp.trainer.lora import ADAPTER_FILE, adapters_off
+from rlexp.trainer.policy import adapter_weights, build_policy, check_sharded_images, policy_weights
 from rlexp.trainer.routing_replay import MoERouting
 from rlexp.trainer.schedule import LrSchedule, lr_factor
 from rlexp.trainer.token_batch import TokenBatch
 from rlexp.weights.files import WEIGHTS_FILE
 
-log = logging.getLogger(__name__)
 
 class TrainController:
     def __init__(
@@ -76,9 +75,11 @@ class TrainController:
         critic: Callable[..., Critic] | None = None,
         routing_replay: Literal["none", "rollout"] = "none",
         router_aux_loss_coef: NonNegative = 0.0,
+        freeze_vision: bool = False,
     ):
         """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip);
-        critic: for advantage=gae; routing_replay, router_aux_loss_coef: see routing_replay.py."""
+        critic: for advantage=gae; routing_replay, router_aux_loss_coef: see routing_replay.py;
+        freeze_vision: a vision-language model's vision encoder neither trains nor syncs (policy.py)."""
         self.rank, self.world = distributed.rank_world()
         if workers != self.world:
             raise ValueError(f"trainer.workers={workers}, but this process group has {self.world} rank(s): "
@@ -95,8 +96,10 @@ class TrainController:
             raise ValueError("advantage=gae needs a critic (critic=value) and a critic needs advantage=gae: "
                              f"got trainer.advantage {type(self.objective.advantage).__name__} with "
                              f"{'a' if critic else 'no'} critic")
-        self.model, self.ref, self.lora_scaling = build_policy(
-            model_path, dtype, gradient_checkpointing, mixed_precision, lora, self.device, self.has_ref)
+        self.model, self.ref, self.lora_scaling, self.unsynced = build_policy(
+            model_path, dtype, gradient_checkpointing, mixed_precision, lora, self.device, self.has_ref,
+            freeze_vision)
+        self.unsampled = placeholder_ids(self.model.config)  # a VLM's image placeholders: never sampled
         self.critic = critic(policy_path=model_path, total_steps=total_steps, dtype=dtype,
                              gradient_checkpointing=gradient_checkpointing,
                              mixed_precision=mixed_precision) if critic else None
@@ -121,6 +124,7 @@ class TrainController:
         if not trained:
             return fb
         tb = fb.tokens = TokenBatch.build([batch[i] for i in trained], version)
+        check_sharded_images(tb.pixels, self.world)  # a VLM's vision encoder runs on every rank or none
         n_mb = min(self.minibatches_per_step, len(tb))
         shares = [distributed.balanced_split(list(range(m, len(tb), n_mb)), tb.lengths, self.world)
                   for m in range(n_mb)]
@@ -202,20 +206,17 @@ class TrainController:
             return self._per_sample(model, samples)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full tensors one at a time (when sharded, each is gathered as it is
-        reached: every rank must iterate); with LoRA, the adapted weights merged."""
-        named = ((name, distributed.full_tensor(t)) for name, t in self.model.state_dict().items())
-        yield from merged_weights(named, self.lora_scaling) if self.lora_scaling else named
+        """The policy's full tensors for the engine, less a frozen vision encoder's (every rank iterates)."""
+        yield from policy_weights(self.model, self.lora_scaling, skip=self.unsynced)
 
     def save(self, directory: Path) -> None:
         """`model.safetensors` (the policy, merged with LoRA), `adapter.safetensors` (LoRA's
         trained tensors) and `trainer.pt` (optimizer by parameter name, lr schedule); all
         whole, written by rank 0, so any number of workers can load them. Every rank calls it."""
-        distributed.save_whole(self.weights(), directory, WEIGHTS_FILE, self.rank)
+        distributed.save_whole(policy_weights(self.model, self.lora_scaling), directory, WEIGHTS_FILE,
+                               self.rank)
         if self.lora_scaling:
-            adapter = ((n, distributed.full_tensor(t)) for n, t in self.model.state_dict().items()
-                       if is_adapter(n))
-            distributed.save_whole(adapter, directory, ADAPTER_FILE, self.rank)
+            distributed.save_whole(adapter_weights(self.model), directory, ADAPTER_FILE, self.rank)
         distributed.save_optimizer(self.model, self.optimizer, self.lr_scheduler, directory / "trainer.pt",
                                    self.rank)
         if self.critic:
@@ -223,10 +224,9 @@ class TrainController:
 
     def load(self, directory: Path) -> None:
         """A checkpoint saved by any number of workers (every rank reads the files)."""
-        if self.lora_scaling:  # the frozen base is the model as built; only adapters were trained
-            distributed.load_model_state(self.model, load_file(str(directory / ADAPTER_FILE)), strict=False)
-        else:
-            distributed.load_model_state(self.model, load_file(str(directory / WEIGHTS_FILE)))
+        # LoRA: the frozen base is the model as built; only the adapters were trained
+        name, strict = (ADAPTER_FILE, False) if self.lora_scaling else (WEIGHTS_FILE, True)
+        distributed.load_model_state(self.model, load_file(str(directory / name)), strict=strict)
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -239,8 +239,7 @@ class TrainController:
         return self.lr_scheduler.last_epoch  # one schedule step per fit; restored by `load`
 
     def _wants_ref(self) -> bool:
-        """The reference forward costs as much as the policy's: run it only when the loss
-        uses it, or on the steps that log `train/kl`."""
+        """Run the reference forward (as costly as the policy's) if the loss or `train/kl` needs it."""
         every = self.ref_kl_every_n_steps
         logs_kl = every > 0 and (self.fits_done + 1) % every == 0
         return self.has_ref and (self.objective.kl.coef > 0 or logs_kl)
@@ -261,6 +260,7 @@ class TrainController:
         real = torch.arange(width)[None] < torch.tensor(tb.lengths)[idx, None] - 1  # predicting positions
         out, ids = self.moe.forward(model, inputs, routed, real.to(self.device)), inputs["input_ids"]
         logits = out.logits[:, :-1].float() / self.temperature
+        logits[..., self.unsampled] = torch.finfo(logits.dtype).min  # as the engine masks them
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]
         ent = None

@@ -25,11 +25,13 @@ def check_spec(rank: int, alpha: int, target_modules: list[str]) -> None:
 
 
 def add_adapters(model: torch.nn.Module, rank: int, alpha: int,
-                 target_modules: list[str]) -> torch.nn.Module:
-    """The model with rank-`rank` adapters on `target_modules`; everything else frozen."""
+                 target_modules: list[str] | str) -> torch.nn.Module:
+    """The model with rank-`rank` adapters on `target_modules` (module names, or one regex
+    that peft fullmatches against each module's qualified name); everything else frozen."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
     return get_peft_model(model, config)  # type: ignore[arg-type]
 
 
