@@ -134,7 +134,8 @@ class Trainer(Protocol):
         ...
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's full tensors by name, for publication to the rollout engine."""
+        """The policy's full tensors by name, for publication to the rollout engine: every tensor
+        that can have changed (a frozen vision encoder's are left out; the engine keeps its own)."""
         ...
 
     def save(self, directory: Path) -> None:
