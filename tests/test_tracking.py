@@ -161,7 +161,7 @@ def test_a_vision_samples_images_go_beside_the_trace_file_as_pngs_listed_by_its_
     vision.prompt = [{"role": "user", "content": [{"type": "image", "image": pictures[0]},
                                                   {"type": "image", "image": pictures[1]},
                                                   {"type": "text", "text": "How many?"}]}]
-    vision.mm_infer_info = {"images": pictures}
+    vision.mm_infer_info = {"images": pictures, "spans": [[3, 7], [9, 13]]}
     tracker = _tracker(uri)
     tracker.start(OmegaConf.create({"seed": 0}))
     tracker.log_samples([text, vision], 1, decode=lambda ids: "")
@@ -171,6 +171,7 @@ def test_a_vision_samples_images_go_beside_the_trace_file_as_pngs_listed_by_its_
     lines = [json.loads(x) for x in open(trace_file)]
     assert "images" not in lines[0]
     assert lines[1]["images"] == ["step_00001.images/1_0.png", "step_00001.images/1_1.png"]
+    assert lines[1]["image_spans"] == [[3, 7], [9, 13]]
     assert [p.get("index") for p in lines[1]["prompt"][0]["content"]] == [0, 1, None]  # the images' places
     for name, picture in zip(lines[1]["images"], pictures):
         with Image.open(client.download_artifacts(rid, f"traces/{name}", str(tmp_path))) as png:

@@ -92,6 +92,7 @@ def test_the_openai_client_sends_image_urls_and_the_sample_has_each_image_in_pla
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     at = [i for i, t in enumerate(sample.tokens) if t == image_id]
     assert len(at) == 8 and not any(sample.loss_mask[i] for i in at)  # 4 tokens a picture, prompt only
+    assert sample.mm_infer_info["spans"] == [[at[0], at[3] + 1], [at[4], at[7] + 1]]  # for the traces
     pixels = processor.image_processor([[first, second]], return_tensors="pt")
     for key in ("pixel_values", "pixel_attention_mask"):
         assert torch.equal(sample.mm_train_info[key], pixels[key][0])

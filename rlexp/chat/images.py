@@ -98,7 +98,16 @@ class ImagePrompts:
         text = render_prompt_text(self.tokenizer, bare)  # a string content (a system prompt) as a text part
         enc = self.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
         train = {k: enc[k][0] for k in PIXEL_KEYS if k in enc}
-        return text, enc["input_ids"][0].tolist(), {"images": images}, train
+        ids = enc["input_ids"][0].tolist()
+        return text, ids, self.infer_info(images, ids), train
+
+    def infer_info(self, images: list[Any], ids: list[int]) -> dict[str, Any]:
+        """`mm_infer_info` of a sample with `images` and tokens `ids`: the images, and where
+        their tokens sit (`spans`: [start, end) of each run of image-slot tokens, for traces)."""
+        slot = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        starts = [i for i, t in enumerate(ids) if t == slot and (i == 0 or ids[i - 1] != slot)]
+        ends = [i + 1 for i, t in enumerate(ids) if t == slot and (i + 1 == len(ids) or ids[i + 1] != slot)]
+        return {"images": images, "spans": [list(se) for se in zip(starts, ends)]}
 
     def encode(self, text: str, images: list[Any]) -> list[int]:
         """Token ids of `text`, which holds one placeholder per image of `images`, each

@@ -177,5 +177,5 @@ class ChatSession:
         sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
         sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")
         if branch.images:
-            sample.mm_infer_info = {"images": branch.images}
+            sample.mm_infer_info = self.image_prompts.infer_info(branch.images, branch.trace.tokens)
             sample.mm_train_info = self.image_prompts.train_info(branch.images)

@@ -132,7 +132,8 @@ def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
     MLflow's active run belongs to the loop's thread. An MoE run's routing goes beside it,
     compressed binary (`<step>.routing.npz`, one array per line's key), not into the JSON; a
     vision-language run's images go beside it as PNG files (`<step>.images/<line>_<k>.png`),
-    each line listing its own (`images`, in the order of the prompt's image parts)."""
+    each line listing its own (`images`, in the order of the prompt's image parts) and where
+    their tokens sit (`image_spans`: [start, end) token positions of each run of image slots)."""
     client = MlflowClient()
     lines, routed = [], {}
     npz = Path(artifact_file).with_suffix(".routing.npz")
@@ -146,6 +147,7 @@ def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
             if images := (s.mm_infer_info or {}).get("images"):
                 line["images"] = [_save_png(image, Path(tmp) / pictures.name / f"{i}_{k}.png")
                                   for k, image in enumerate(images)]
+                line["image_spans"] = s.mm_infer_info.get("spans", [])
             lines.append(json.dumps(line))
         client.log_text(run_id, "\n".join(lines) + "\n", artifact_file)
         if routed:
