@@ -92,6 +92,12 @@ def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return bare, images
 
 
+def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each string content as one text part (for a chat template that reads content as parts)."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+            else m for m in messages]
+
+
 def jsonable_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with each image part as `{"type": "image", "index": k}` (its place among the
     sample's images) in place of the image itself."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlexp.chat.tool_prompt import ToolPath, with_tools_in_system
 from rlexp.errors import SessionError
+from rlexp.sample import as_parts
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -38,12 +39,6 @@ def takes_parts(tokenizer) -> bool:
             text = ""
         _TAKES_PARTS[template] = _PROBE not in text
     return _TAKES_PARTS[template]
-
-
-def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each string content as one text part."""
-    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
-            else m for m in messages]
 
 
 def _for_template(tokenizer, messages):

@@ -30,7 +30,7 @@ from typing import Any
 from rlexp.data.images import zoom, zoom_caption
 from rlexp.data.sources import Problem
 from rlexp.models.arch import FORMAT_VERSION, TEMPLATE_DIR, build_arch_model, cached_build
-from rlexp.sample import split_images
+from rlexp.sample import as_parts, split_images
 
 log = logging.getLogger(__name__)
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
@@ -162,7 +162,7 @@ def _random_model(cache_dir: str, seed: int, hidden_size: int, num_layers: int, 
 def _prompt(processor, messages: list[dict[str, Any]]) -> tuple[str, list[Any]]:
     """The chat template's text for the prompt `messages` and their images, in order."""
     bare, images = split_images(messages)
-    return processor.apply_chat_template(bare, add_generation_prompt=True), images
+    return processor.apply_chat_template(as_parts(bare), add_generation_prompt=True), images
 
 
 def _example(processor, problem) -> tuple[list[int], list[int], dict[str, Any]]:
@@ -192,6 +192,7 @@ def _conversation_example(processor, problem) -> tuple[list[int], list[int], dic
     it: each prompt's new text, with its pictures expanded, then the reply's tokens."""
     reply = {"role": "assistant", "content": [{"type": "text", "text": problem.answer}]}
     bare, images = split_images([*problem.messages, reply])
+    bare = as_parts(bare)
     ids: list[int] = []
     labels: list[int] = []
     text, used = "", 0
