@@ -150,7 +150,7 @@ class ChatSession:
         A copy: `template` and the session are left as they are."""
         s = copy.copy(template)
         s.metadata, s.reward_components = dict(template.metadata), {}
-        self._fill(s, self.branches[-1])
+        _fill(s, self.branches[-1])
         return s
 
     def to_samples(self, template: Sample) -> list[Sample]:
@@ -160,7 +160,10 @@ class ChatSession:
             s = copy.copy(template) if i else template
             s.metadata = dict(template.metadata) | {"branch": i, "segment": leaf.segment,
                                                      "prefix_breaks": self.prefix_breaks}
-            self._fill(s, leaf)
+            _fill(s, leaf)
+            if leaf.images:  # for the engine and, as pixel inputs, for the trainer
+                s.mm_infer_info = self.image_prompts.infer_info(leaf.images, leaf.trace.tokens)
+                s.mm_train_info = self.image_prompts.train_info(leaf.images)
             s.metadata["truncated"] = leaf.finish_reason == "length"
             s.metadata["messages"] = leaf.messages
             s.metadata["metrics"] = {
@@ -171,11 +174,8 @@ class ChatSession:
             out.append(s)
         return out
 
-    def _fill(self, sample: Sample, branch: Branch) -> None:
-        """The branch's tokens, how it ended, its last reply as the response, and its images
-        (for the engine and, as pixel inputs, for the trainer)."""
-        sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
-        sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")
-        if branch.images:
-            sample.mm_infer_info = self.image_prompts.infer_info(branch.images, branch.trace.tokens)
-            sample.mm_train_info = self.image_prompts.train_info(branch.images)
+
+def _fill(sample: Sample, branch: Branch) -> None:
+    """The branch's tokens, how it ended, and its last reply as the response."""
+    sample.trace, sample.finish_reason = branch.trace, branch.finish_reason
+    sample.response_text = next((t["text"] for t in reversed(branch.trace.turns) if t["mask"]), "")
