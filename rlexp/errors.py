@@ -9,6 +9,7 @@ One sample goes wrong (the run goes on; the reason lands in the sample's trace):
     InjectedFault    raised on purpose by the faulty agent / judge (fire drills, tests)
 The run cannot usefully go on (it stops with the reason and the resume command):
     RunStopped       too many failed samples in a step
+    ProgrammingError an agent or judge raised a programming error (TypeError, NameError, ...)
     EngineDead       the rollout engine's process died
     TrainerDead      a trainer worker's process died (cluster=ray, trainer.workers > 1)
 """
@@ -45,6 +46,11 @@ class InjectedFault(RuntimeError):
 
 class RunStopped(RuntimeError):
     """The run cannot usefully go on; the message says why and how to resume."""
+
+
+class ProgrammingError(RunStopped):
+    """An agent or judge raised an error that means its code is wrong (`guards.PROGRAMMING_ERRORS`),
+    not that its environment failed: counting it as a failed sample would hide it."""
 
 
 class EngineDead(RunStopped):

@@ -1,11 +1,13 @@
 """Guards that keep one bad sample from stopping a run.
 
-Per sample (the run goes on and counts them; the reason is in the sample's trace, `error`):
+Per sample, environment faults (the run goes on and counts them; the reason is in the
+sample's trace, `error`):
 - the agent raises             -> FAILED
 - the agent hangs (timeout_s)  -> ABORTED
 - the judge raises, hangs, or returns a reward that is not a finite number -> FAILED
-Per run (`RunStopped`, see rlexp/errors.py): too many failed samples in a step, or the
-rollout engine died.
+Per run (`RunStopped`, see rlexp/errors.py): too many failed samples in a step, the rollout
+engine died, or an agent or judge raised one of `PROGRAMMING_ERRORS`: those mean the code is
+wrong, not the environment, and stop the run at once with their traceback.
 
 Each guard is configured by the `guard` sub-node of its component's config group, whose keys
 are the guard's arguments (`agent.guard.timeout_s=5`)."""
@@ -25,6 +27,11 @@ from rlexp.sample import Sample, Status
 
 Timeout = Annotated[float, Gt(0)] | None
 
+# Errors that mean an agent's or judge's code is wrong. Everything else an agent or judge
+# raises (timeouts, HTTP and tool errors, a reply it cannot parse) is an environment fault.
+PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (
+    TypeError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError)
+
 
 class AgentGuard:
     """Wraps an agent: a rollout longer than `timeout_s` is cancelled and the sample ABORTED
@@ -40,7 +47,7 @@ class AgentGuard:
             return await self.agent.rollout(sample)
         try:
             return await asyncio.wait_for(self.agent.rollout(sample), self.timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             sample.status = Status.ABORTED
             sample.metadata["error"] = f"agent timed out after {self.timeout_s:g}s (agent.guard.timeout_s)"
             return sample
@@ -51,7 +58,7 @@ class AgentGuard:
 
 class JudgeGuard:
     """Wraps a judge: a timeout, an exception or a NaN/inf reward raises JudgeError with the
-    reason, which fails that sample (not the run)."""
+    reason, which fails that sample (not the run). `PROGRAMMING_ERRORS` pass through."""
 
     def __init__(self, judge: Judge, timeout_s: Timeout = None):
         self.judge = judge
@@ -60,8 +67,10 @@ class JudgeGuard:
     async def score(self, sample: Sample) -> Sample:
         try:
             scored = await asyncio.wait_for(self.judge.score(sample), self.timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             raise JudgeError(f"judge timed out after {self.timeout_s:g}s (judge.guard.timeout_s)") from None
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as e:
             raise JudgeError(f"judge raised {type(e).__name__}: {e}") from e
         if not isinstance(scored.reward, (int, float)) or not math.isfinite(scored.reward):

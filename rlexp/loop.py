@@ -37,7 +37,7 @@ from rlexp.checkpoint import RunState
 from rlexp.cluster import build_cluster
 from rlexp.config import derived
 from rlexp.data.manager import DataManager
-from rlexp.errors import EngineDead, RunStopped, TrainerDead
+from rlexp.errors import EngineDead, ProgrammingError, RunStopped, TrainerDead
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
@@ -167,7 +167,7 @@ class RLLoop:
             return final
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
-            if isinstance(e, (EngineDead, TrainerDead)):
+            if isinstance(e, (EngineDead, TrainerDead, ProgrammingError)):
                 found = checkpoint.checkpoints(self.run_dir)
                 last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was saved"
                 raise type(e)(f"{e}; {last}. Resume: python -m rlexp.run resume={self.run_dir}") from e
@@ -286,10 +286,12 @@ class RLLoop:
 
     async def evaluate(self, step: int) -> dict[str, float]:
         """Roll out the held-out split with the eval agent (eval sampling settings), then score
-        the batch. Nothing else is generating meanwhile: evaluation has the engine to itself."""
-        assert self.eval_agent is not None and self.tracker is not None
+        the batch. The scheduler launches no training rollouts meanwhile (`Scheduler.evaluating`):
+        evaluation has the engine first."""
+        assert self.eval_agent is not None and self.tracker is not None and self.scheduler is not None
         t0 = time.time()
-        batch = await SyncScheduler().produce_batch(self.eval_data, self.eval_agent, self.version)
+        async with self.scheduler.evaluating():
+            batch = await SyncScheduler().produce_batch(self.eval_data, self.eval_agent, self.version)
         metrics = self.evaluator.metrics(batch) | {"timing/eval_s": time.time() - t0}
         self.tracker.log_metrics(metrics, step)
         self.tracker.log_samples(batch, step, self.tokenizer.decode, name="eval_traces")

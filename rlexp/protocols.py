@@ -15,6 +15,7 @@ same methods fits (no base classes to inherit).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -119,6 +120,10 @@ class Scheduler(Protocol):
 
     def pop_counts(self) -> dict[str, float]:
         """Samples rejected and tokens generated but never trained, since the last call."""
+        ...
+
+    def evaluating(self) -> AbstractAsyncContextManager[None]:
+        """Entered while the held-out split is evaluated: evaluation has the engine first."""
         ...
 
     def state_dict(self) -> dict: ...

@@ -4,7 +4,8 @@
     python -m rlexp.run -m scheduler.staleness_threshold=0,1,2,4     (a sweep; see README)
 
 Exit codes: 0 done, 2 bad config or input (nothing started), 3 the run stopped (too many
-failed samples, or the engine died; the message says how to resume)."""
+failed samples, the engine died, or an agent or judge raised a programming error, printed
+with its traceback; the message says how to resume)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
@@ -21,7 +23,7 @@ from omegaconf import DictConfig
 
 from rlexp.config import ALGORITHM_GROUPS, resume_config, validate
 from rlexp.console import quiet_third_party
-from rlexp.errors import ConfigError, RunStopped
+from rlexp.errors import ConfigError, ProgrammingError, RunStopped
 from rlexp.preflight import preflight
 from rlexp.progress import SweepPosition
 from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, log_failed_job, read_sweep
@@ -43,7 +45,7 @@ def sweep_job_tags(cfg: DictConfig, info: dict | None) -> dict[str, str]:
             "rlexp.overrides": " ".join(overrides), "rlexp.job_dir": hc.runtime.output_dir}
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://rlexp.conf", config_name="config")  # conf/, packaged
 def main(cfg: DictConfig) -> float | None:
     quiet_third_party()
     hc = HydraConfig.get()
@@ -74,6 +76,8 @@ def main(cfg: DictConfig) -> float | None:
             log_failed_job(cfg, tags, e)  # failed before its MLflow run started
         return None  # the sweep goes on
     except RunStopped as e:
+        if isinstance(e, ProgrammingError):
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         print(f"rlexp: run stopped: {e}", file=sys.stderr)
         if not multirun:
             sys.exit(3)

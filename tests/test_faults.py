@@ -3,11 +3,12 @@ runs with injected faults are in test_resume.py)."""
 
 import asyncio
 import math
+import traceback
 
 import pytest
 
 from rlexp.agents.faulty import FaultyAgent
-from rlexp.errors import EngineDead
+from rlexp.errors import EngineDead, JudgeError, ProgrammingError
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
 from rlexp.judges.math_exact import MathExactJudge
@@ -134,3 +135,76 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     adv = trainer.compute_advantages(fb)  # [trained rows, tokens - 1]: the trained token is the last
     assert adv is not None and adv.shape[0] == 2
     assert adv[:, -1].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent
+
+
+def test_a_hung_agent_is_aborted_where_asyncio_timeouts_are_their_own_class(monkeypatch):
+    """Python 3.10: `asyncio.wait_for` raises `asyncio.TimeoutError`, which is not the builtin
+    TimeoutError (they are one class from 3.11). Simulated here by making them two classes."""
+    class AsyncioTimeout(Exception):
+        pass
+
+    async def times_out(aw, timeout):
+        aw.close()
+        raise AsyncioTimeout
+
+    monkeypatch.setattr(asyncio, "TimeoutError", AsyncioTimeout)
+    monkeypatch.setattr(asyncio, "wait_for", times_out)
+    guarded = AgentGuard(ScoringAgent(TimedEngine(token_s=0), MathExactJudge()), 1)
+    out = asyncio.run(guarded.rollout(_group(1)[0]))
+    assert out.status is Status.ABORTED and out.error == "agent timed out after 1s (agent.guard.timeout_s)"
+    with pytest.raises(JudgeError, match="judge timed out after 1s"):
+        asyncio.run(JudgeGuard(MathExactJudge(), 1).score(_group(1)[0]))
+
+
+class BuggyJudge:
+    """A judge with a bug of the kind a user's reward function has: a wrong type."""
+
+    async def score(self, s):
+        s.reward = len(s.response_text) + None
+        return s
+
+
+def test_a_programming_error_in_a_judge_stops_the_run_with_its_traceback():
+    agent = AgentGuard(ScoringAgent(TimedEngine(token_s=0), JudgeGuard(BuggyJudge(), 5)))
+    with pytest.raises(ProgrammingError, match="agent raised TypeError") as stopped:
+        _roll(agent)
+    assert isinstance(stopped.value.__cause__, TypeError)
+    frames = traceback.extract_tb(stopped.value.__cause__.__traceback__)
+    assert frames[-1].name == "score" and "+ None" in frames[-1].line  # the user's line
+
+
+@pytest.mark.parametrize("error, status", [(TypeError("x"), None), (NameError("x"), None),
+                                           (ValueError("bad reply"), Status.FAILED),
+                                           (KeyError("tool"), Status.FAILED)])
+def test_programming_errors_stop_environment_faults_are_counted(error, status):
+    if status is None:
+        with pytest.raises(ProgrammingError):
+            collect(_group(2), [error, _group(1)[0]])
+    else:
+        assert collect(_group(2), [error, _group(1)[0]])[0][0].status is status
+
+
+class DyingAgent:
+    """Group 0's rollout finds the engine dead; every other group's rollout never ends."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    async def rollout(self, s):
+        if s.group_id == 0:
+            raise EngineDead("gone")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(s.group_id)
+            raise
+
+
+def test_a_dead_engine_cancels_the_other_groups_of_the_step():
+    async def go():
+        agent = DyingAgent()
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(SyncScheduler().produce_batch(_data(groups=3), agent, 0), HANG_FAILSAFE_S)
+        return sorted(set(agent.cancelled))
+
+    assert asyncio.run(go()) == [1, 2]  # cancelled before produce_batch raised, not left running

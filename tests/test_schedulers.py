@@ -195,3 +195,52 @@ def test_staleness_zero_trains_the_same_batches_as_sync(filtering):
     sync = run(SyncScheduler(filter_zero_variance=filtering))
     assert sync == run(AsyncScheduler(0, filter_zero_variance=filtering))
     assert sync != run(AsyncScheduler(1, filter_zero_variance=filtering))  # the test can tell
+
+
+class StartCounter(CountingAgent):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.started = 0
+
+    async def rollout(self, s: Sample) -> Sample:
+        self.started += 1
+        return await super().rollout(s)
+
+
+class NoTracker:
+    def log_metrics(self, metrics, step):
+        self.metrics = metrics
+
+    def log_samples(self, batch, step, decode, name="traces"):
+        pass
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_evaluation_under_the_async_scheduler_launches_no_training_rollouts(pause):
+    """The step's weight sync wakes the producer, which would refill admission while the
+    held-out split is evaluated; `pause_for_eval` holds it until evaluation ends."""
+    from omegaconf import DictConfig
+
+    from rlexp.evaluator import Evaluator
+    from rlexp.loop import RLLoop
+
+    async def go():
+        engine = TimedEngine(token_s=0.001)
+        train_agent, sched = StartCounter(engine), AsyncScheduler(1, pause_for_eval=pause)
+        data = _data()
+        try:
+            await rl_step(sched, data, train_agent, engine, SleepyTrainer(0.01), VersionOnlyTransport(), 0)
+            loop = RLLoop(DictConfig({}))
+            loop.scheduler, loop.tracker, loop.version = sched, NoTracker(), 1
+            loop.eval_agent, loop.eval_data = CountingAgent(engine), _data()
+            loop.evaluator = Evaluator(every_n_steps=1, sampling=engine.sampling)
+            loop.tokenizer = type("Decoder", (), {"decode": staticmethod(str)})()
+            before = train_agent.started
+            metrics = await loop.evaluate(1)
+            return train_agent.started - before, metrics
+        finally:
+            await sched.aclose()
+
+    started_during_eval, metrics = asyncio.run(go())
+    assert metrics["timing/eval_s"] > 0 and "eval/accuracy" in metrics
+    assert (started_during_eval == 0) == pause  # without the pause, the refill ran during eval

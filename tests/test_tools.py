@@ -37,6 +37,23 @@ def test_python_sandbox_refuses_files_sockets_and_runaway_code(expression, expec
     assert asyncio.run(run_sandboxed(expression, timeout_s=1.0)).startswith(expected)
 
 
+def test_python_sandbox_limits_are_set_by_the_child_not_preexec_fn(monkeypatch):
+    """`preexec_fn` runs Python between fork and exec, which can deadlock a process with
+    threads (the loop's fit thread, MLflow's logging threads): the child sets its own limits."""
+    calls = []
+    real = asyncio.create_subprocess_exec
+
+    async def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording)
+    big = "len('a' * (300 << 20))"  # 300 MB
+    assert asyncio.run(run_sandboxed(big, timeout_s=5.0, memory_mb=1024)) == str(300 << 20)
+    assert asyncio.run(run_sandboxed(big, timeout_s=5.0, memory_mb=256)).startswith("error: MemoryError")
+    assert calls and all("preexec_fn" not in kw for kw in calls)
+
+
 def _task(answer="46"):
     return Sample(group_id=0, prompt=[{"role": "user", "content": "12+34="}], answer=answer,
                   metadata={"seed": 1})

@@ -11,8 +11,9 @@ the engine may sit on another device than the trainer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rlexp.constraints import AtLeast0
@@ -68,6 +69,9 @@ class AsyncScheduler:
     - over_sample_groups: extra groups in flight beyond the bound, so filtered groups are
       replaced without waiting (the surplus may expire).
     - filter_zero_variance: groups whose rewards have no variance are FILTERED.
+    - pause_for_eval: while the held-out split is evaluated, no group is launched (groups
+      already in flight go on), so evaluation gets the engine first and `timing/eval_s`
+      measures evaluation; false lets training rollouts compete with it.
 
     With η = 0 and no over-sampling this is exactly the SyncScheduler: the same groups,
     launched together, trained in the same order."""
@@ -76,8 +80,10 @@ class AsyncScheduler:
 
     def __init__(self, staleness_threshold: AtLeast0 = 1, enable_partial_rollout: bool = True,
                  tail_batch_candidate_step: AtLeast0 = 0, tail_batch_trigger_size: AtLeast0 = 0,
-                 over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False):
+                 over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False,
+                 pause_for_eval: bool = True):
         self.ledger = GroupLedger(filter_zero_variance)
+        self.pause_for_eval = pause_for_eval
         self.staleness_threshold = staleness_threshold
         self.enable_partial_rollout = enable_partial_rollout
         self.tail_candidate_step = tail_batch_candidate_step
@@ -91,6 +97,7 @@ class AsyncScheduler:
         self._launched = 0
         self._trained_groups = 0
         self._syncing = False
+        self._evaluating = False  # launches wait while set (pause_for_eval)
         self._restored: list[GroupRollout] = []  # in flight at the checkpoint: relaunched on resume
         self._producer: asyncio.Task | None = None
         self._wake_producer = asyncio.Event()
@@ -147,6 +154,17 @@ class AsyncScheduler:
         groups trained, tokens generated but never trained."""
         return self.ledger.pop()
 
+    @contextlib.asynccontextmanager
+    async def evaluating(self) -> AsyncIterator[None]:
+        """With `pause_for_eval`, no group is launched until evaluation ends. Entering does
+        not yield to the event loop: the producer, woken by the sync, cannot launch first."""
+        self._evaluating = self.pause_for_eval
+        try:
+            yield
+        finally:
+            self._evaluating = False
+            self._wake_producer.set()
+
     # ---- checkpoint -------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Finished groups waiting for a batch are kept with their tokens (and versions, so
@@ -183,7 +201,8 @@ class AsyncScheduler:
             self._wake_producer.clear()
             if not self._syncing:
                 self._bookkeep()
-                self._launch(data, agent)
+                if not self._evaluating:
+                    self._launch(data, agent)
             self._wake_consumer.set()
             await self._wake_producer.wait()
 

@@ -1,18 +1,28 @@
 """A sandboxed Python-expression tool: each call runs in a fresh, isolated interpreter
 with CPU-time, memory and file-descriptor limits, only math builtins, and an audit hook
-that refuses file, socket, process and import events. A call past `timeout_s` is killed."""
+that refuses file, socket, process and import events. A call past `timeout_s` is killed.
+
+The child sets its own resource limits as its first statements, before it reads the
+expression. They are not set with `preexec_fn`: that runs Python in the forked child of a
+process that has threads (fit runs in a thread, MLflow logs from threads), which CPython
+documents as able to deadlock."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import resource
 import sys
 
 from rlexp.tools.spec import expression_tool_spec
 
 _CHILD = r"""
-import math, sys
+import resource, sys
+_memory_b, _cpu_s = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (_memory_b, _memory_b))
+resource.setrlimit(resource.RLIMIT_CPU, (_cpu_s, _cpu_s))
+resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+import math
 _exec_left = [1]  # the one eval below
 def _deny(event, args):
     if event == "exec" and _exec_left[0]:
@@ -31,20 +41,11 @@ print(repr(eval(code, {"__builtins__": safe}, {})))
 """
 
 
-def _limits(memory_mb: int, cpu_s: int):
-    def apply():
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (16, 16))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    return apply
-
-
 async def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256) -> str:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", "-c", _CHILD, stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={},
-        preexec_fn=_limits(memory_mb, max(1, int(timeout_s) + 1)))
+        sys.executable, "-I", "-S", "-c", _CHILD, str(memory_mb << 20), str(max(1, int(timeout_s) + 1)),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={})
     try:
         out, err = await asyncio.wait_for(proc.communicate(expression.encode()), timeout_s)
     except asyncio.TimeoutError:
