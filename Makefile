@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(PY) -m rlexp.run
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check rlexp tests bench scripts
+	$(VENV)/bin/ruff check rlexp tests bench scripts examples
 	$(VENV)/bin/mypy rlexp tests/test_protocols.py
 	$(VENV)/bin/lint-imports --no-cache   # the layering contracts in pyproject.toml
 

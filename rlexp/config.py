@@ -77,11 +77,13 @@ def _get(cfg: DictConfig, key: str):
     return value
 
 
-def validate(cfg: DictConfig, static: bool = False) -> None:
+def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> None:
     """Raise ConfigError naming the first bad key. Each component's arguments are checked
     against its constructor's signature (`check_arguments`); what is checked here besides
-    are top-level keys and relations between groups. `static`: only what needs no import of
-    the components (see check_arguments); the full check follows the imports."""
+    are top-level keys and relations between groups, and what components declare of
+    themselves (`declares`). `static`: only what needs no import of the components (see
+    check_arguments); the full check follows the imports. `images`: the data has prompts with
+    images (rlexp.preflight found some)."""
     check_arguments(cfg, static=static)
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
@@ -114,29 +116,37 @@ def validate(cfg: DictConfig, static: bool = False) -> None:
     _check_scheduler(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
-    _check_images(cfg)
+    if images:
+        _check_images(cfg)
     if OmegaConf.select(cfg, "trainer.routing_replay") == "rollout" and \
             not OmegaConf.select(cfg, "rollout.routing_capture"):
         raise ConfigError("trainer.routing_replay=rollout replays the engine's routing: it needs "
                           "rollout.routing_capture=true (rollout=vllm, an MoE model)")
 
 
+def declares(node: DictConfig | None, attribute: str) -> bool:
+    """What the component `node` builds says of itself: the `attribute` its `_target_`
+    declares (a class attribute, e.g. `takes_images = True`); False where it declares nothing.
+    Config checks ask this, never the `_target_`'s name: a class of your own declares it too."""
+    target = node.get("_target_") if node is not None else None
+    return isinstance(target, str) and bool(getattr(get_object(target), attribute, False))
+
+
 def _check_images(cfg: DictConfig) -> None:
-    """Image prompts (data=shapes, or rows with `data.source.image_key`) need an engine that
-    takes images (vLLM) and an agent that sends them (rlexp's agents do; a class of your own may not)."""
-    if "ShapesSource" not in str(OmegaConf.select(cfg, "data.source._target_") or "") and \
-            not OmegaConf.select(cfg, "data.source.image_key"):
-        return
-    agent = str(OmegaConf.select(cfg, "agent._target_") or "")
-    if not agent.startswith("rlexp.agents."):
-        raise ConfigError(f"data.source is a task with images, which agent._target_={agent} does not send "
-                          "to the engine: use agent=single_turn, multiturn, tool or openai")
-    if "VLLMEngine" not in str(OmegaConf.select(cfg, "rollout._target_") or ""):
-        raise ConfigError("data.source is a task with images: it needs rollout=vllm")
+    """Prompts with images need an agent that sends them and an engine that takes them
+    (`sends_images`, `takes_images`: rlexp's agents and rollout=vllm declare them)."""
+    agent = OmegaConf.select(cfg, "agent._target_")
+    if not declares(cfg.agent, "sends_images"):
+        raise ConfigError(f"data.source has prompts with images, which agent._target_={agent} does not "
+                          "send to the engine (it declares no `sends_images = True`): use "
+                          "agent=single_turn, multiturn, tool or openai")
+    if not declares(cfg.rollout, "takes_images"):
+        raise ConfigError(f"data.source has prompts with images: rollout._target_={cfg.rollout._target_} "
+                          "takes none (it declares no `takes_images = True`); use rollout=vllm")
 
 
 def _check_cluster(cfg: DictConfig) -> None:
-    on_ray = "ray" in str(OmegaConf.select(cfg, "cluster._target_") or "")
+    on_ray = declares(cfg.get("cluster"), "distributed")
     replicas = OmegaConf.select(cfg, "rollout.replicas") or 1
     if replicas != 1 and not on_ray:  # an engine class builds one engine; replicas are a pool's
         raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")
@@ -147,8 +157,7 @@ def _check_cluster(cfg: DictConfig) -> None:
     if workers > 1 and not on_ray:
         raise ConfigError(f"trainer.workers={workers} runs the trainer's ranks as Ray actors: "
                           "add cluster=ray")
-    native = ("vllm_nccl", "vllm_ipc")
-    if workers > 1 and any(n in str(OmegaConf.select(cfg, "weight_transfer._target_")) for n in native):
+    if workers > 1 and declares(cfg.get("weight_transfer"), "sends_from_driver"):
         raise ConfigError(f"weight_transfer={cfg.weight_transfer._target_} sends from a trainer in the "
                           f"driver; with trainer.workers={workers} use weight_transfer=auto (ram_file or "
                           "object_store)")
@@ -250,13 +259,14 @@ def check_value(where: str, value: Any, annotation: Any) -> None:
 
 
 def _check_graders(cfg: DictConfig) -> None:
-    """A model judge grading on the policy's engine with a constrained reply needs vLLM."""
-    if "hf_engine" not in str(OmegaConf.select(cfg, "rollout._target_")):
+    """A model judge grading on the policy's engine with a constrained reply needs an engine
+    that `constrains_replies` (vLLM)."""
+    if declares(cfg.rollout, "constrains_replies"):
         return
     parts = cfg.judge.get("judges") or {}
     nodes = [("judge", cfg.judge)] + [(f"judge.judges.{k}", v) for k, v in parts.items()]
     for where, node in nodes:
-        if str(node.get("_target_", "")).endswith("LLMJudge") and node.get("base_url") is None \
+        if declares(node, "constrains_policy_replies") and node.get("base_url") is None \
                 and node.get("reply_regex") is not None:
             raise ConfigError(f"{where} grades on the policy's engine with its reply constrained "
                               f"({where}.reply_regex), which rollout=hf cannot do: use rollout=vllm, "

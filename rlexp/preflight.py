@@ -43,11 +43,14 @@ class Inputs:
     eval_data: DataManager
     evaluator: Evaluator
     model_path: str
+    data_commit: str | None = None  # the hub commit data=hub resolved to (a source's `commit`)
     lengths_checked: bool = False  # by the light tokenizer: the loop need not count them again
+    has_images: bool = False  # some prompt has images (the full config check asks the components)
 
 
 def load_inputs(cfg: DictConfig) -> Inputs:
-    """The train and eval data and the model directory (built on first use for model=tiny)."""
+    """The train and eval data and the model directory (built on first use for model=tiny; a hub
+    id's snapshot for model=local)."""
     try:
         source = instantiate(cfg.data.source)
     except InstantiationException as e:
@@ -62,7 +65,20 @@ def load_inputs(cfg: DictConfig) -> Inputs:
                             prompts_per_step=evaluator.prompts or n_source,
                             samples_per_prompt=evaluator.samples_per_prompt)
     validate_data(cfg, len(data), len(eval_data))
-    return Inputs(data, eval_data, evaluator, model_path=instantiate(cfg.model))
+    return Inputs(data, eval_data, evaluator, model_path=_model_path(cfg),
+                  data_commit=getattr(source, "commit", None))
+
+
+def _model_path(cfg: DictConfig) -> str:
+    """The model's directory from its `_target_` (model=local resolves a hub id here, once, on
+    the driver); a ConfigError it raises (a missing directory, a hub id not in the cache offline)
+    reaches the user as its one line."""
+    try:
+        return instantiate(cfg.model)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
 
 
 def check_lengths(cfg: DictConfig, inputs: Inputs, tokenizer) -> None:
@@ -177,6 +193,7 @@ class ImageTokens:
 def preflight(cfg: DictConfig) -> Inputs:
     validate(cfg, static=True)
     inputs = load_inputs(cfg)
+    inputs.has_images = _has_images(inputs)
     check_vision(cfg, inputs)
     tokenizer = LightTokenizer.load(inputs.model_path)
     if tokenizer is not None:

@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> float | None:
         inputs = preflight(cfg)  # bad config or data fails here, in about a second
         from rlexp.loop import RLLoop  # torch, transformers: seconds
 
-        validate(cfg)  # what only the imported components can tell
+        validate(cfg, images=inputs.has_images)  # what only the imported components can tell
         final = asyncio.run(RLLoop(cfg, run_dir, sweep).execute(tags, resume_from, inputs))
     except ConfigError as e:
         print(f"rlexp: config error: {e}", file=sys.stderr)

@@ -85,8 +85,6 @@ BAD_OVERRIDES = [
     ("mismatch=icepop trainer.mismatch.high=0.9", "trainer.mismatch.high must be > 1"),
     ("advantage=gae", "advantage=gae needs critic=value"),
     ("trainer.routing_replay=rollout", "it needs rollout.routing_capture=true"),
-    ("experiment=vlm agent._target_=tests.test_schedulers.CountingAgent", "CountingAgent does not send"),
-    ("experiment=vlm rollout=hf", "a task with images: it needs rollout=vllm"),
     ("trainer.routing_replay=always", "trainer.routing_replay must be one of none, rollout"),
     ("critic=value", "a critic is only used by advantage=gae"),
     ("recipe=ppo trainer.critic.value_clip=-1", "trainer.critic.value_clip must be > 0"),

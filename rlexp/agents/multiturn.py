@@ -17,6 +17,8 @@ from rlexp.sample import Sample, SamplingConfig
 
 
 class MultiTurnAgent:
+    sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
+
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,
                  max_turns: AtLeast1 = 3, feedback: str = "Incorrect, try again.",
                  on_prefix_break: PrefixBreak = "split", max_context: int | None = None):

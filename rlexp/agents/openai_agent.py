@@ -39,6 +39,8 @@ def load_entrypoint(spec: str):
 
 
 class OpenAIAgent:
+    sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
+
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, entrypoint: str,
                  sampling: SamplingConfig | None = None,
                  transport: Literal["inprocess", "http"] = "inprocess", host: str = "127.0.0.1",

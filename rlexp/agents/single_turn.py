@@ -41,6 +41,8 @@ class PromptCache:
 
 
 class SingleTurnAgent:
+    sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
+
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge,
                  sampling: SamplingConfig | None = None):
         self.engine = engine

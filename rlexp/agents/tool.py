@@ -21,6 +21,8 @@ from rlexp.tools import build_tools
 
 
 class ToolAgent:
+    sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
+
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,
                  max_turns: AtLeast1 = 4, max_tool_calls: AtLeast0 = 3,
                  tools: tuple[str, ...] = ("calculator", "python"), tool_timeout_s: Positive = 2.0,

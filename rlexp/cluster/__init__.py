@@ -66,6 +66,7 @@ class LocalCluster:
 
     name = "local"
     multi_node = False
+    distributed = False  # one engine, one trainer, both in this process
 
     def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
                  trainer_workers: AtLeast1 = 1):

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 class RayCluster:
     name = "ray"
+    distributed = True  # rollout replicas and trainer ranks as Ray actors
 
     def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
                  address: str | None = None, num_cpus: AtLeast1 | None = None,

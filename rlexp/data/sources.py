@@ -1,11 +1,13 @@
-"""Where prompts come from: the built-in arithmetic task or the user's files (JSONL, Parquet,
-or a Hugging Face `datasets` directory written by `save_to_disk`).
+"""Where prompts come from: the built-in arithmetic task, the user's files (JSONL, Parquet, or a
+Hugging Face `datasets` directory written by `save_to_disk`), or a dataset on the Hugging Face
+hub named by its id (`HubSource`).
 
 A source returns `Problem`s for a split ("train" or "eval"). The file sources read every row
 when built (in preflight, before any heavy import) and fail with one line naming the file,
 the row and the key; pyarrow is imported only by the sources that need it, PIL only by those
-with an `image_key` (rows with images: rlexp/data/images.py). Nothing is ever downloaded: a
-path must be local."""
+with an `image_key` (rows with images: rlexp/data/images.py). Only `HubSource` downloads, and
+only a hub id (through the hub cache, as `model.path` does: rlexp/data/hub.py); the file
+sources' paths must be local."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlexp.data import arithmetic
+from rlexp.data.hub import resolve
 from rlexp.data.images import load_images
 
 
@@ -261,6 +264,57 @@ class HFDiskSource(_RowSource):
             tables.append(table.select(self._columns()))
         rows = [row for table in tables for row in table.to_pylist()]
         return self._map(rows, lambda i: f"{path}: row {i}", str(path), base)
+
+
+class HubSource(_RowSource):
+    """A dataset on the Hugging Face hub by its id (`name`: `org/name`, at `revision`, a branch,
+    tag or commit; None: main), or a local directory of data files (a local directory wins over
+    an id). An id is resolved to its snapshot in the hub cache exactly as `model.path` is
+    (rlexp/data/hub.py: HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, tokens), its commit kept in
+    `commit`; the directory is then read by `datasets.load_dataset(dir, config)`, which picks
+    the format (JSON lines, Parquet, CSV, ...) and the splits from the files or the dataset
+    card, and `train_split` (and `eval_split`, if set) are used. Without `eval_split`,
+    `eval_size` train rows are held out by `seed`. Rows are named `name split: row i` (from 0,
+    as `load_dataset(dir, config, split=split)[i]`). Fields as JsonlSource (`_RowSource`);
+    images (`image_key`) as ParquetSource, paths relative to the directory.
+
+    `import datasets` takes 1-2 s: it happens after the hub id is resolved, so an id missing
+    from the cache offline fails first, in a fraction of a second."""
+
+    def __init__(self, name: str, config: str | None = None, train_split: str = "train",
+                 eval_split: str | None = None, revision: str | None = None,
+                 question_key: str = "question", answer_key: str = "answer",
+                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 system_prompt: str | None = None, image_key: str | None = None):
+        self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
+        snapshot = resolve(name, revision, "dataset", "name", "revision")
+        self.name, self.path, self.commit = name, Path(snapshot.path), snapshot.commit
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{name}: no such directory, and not a hub dataset id (org/name)")
+        splits = self._load(config)
+        train = self._split_rows(splits, train_split, "train_split")
+        eval_rows = self._split_rows(splits, eval_split, "eval_split") if eval_split else None
+        self._split(train, eval_rows, eval_size, seed, name)
+
+    def _load(self, config: str | None) -> Mapping[str, Any]:
+        """The directory's splits, by `datasets.load_dataset` (a DatasetDict)."""
+        import datasets
+
+        try:
+            return datasets.load_dataset(str(self.path), config)
+        except (ValueError, OSError, datasets.exceptions.DatasetsError) as e:
+            at = f"{self.name} ({self.path})" if str(self.path) != self.name else self.name
+            raise ValueError(f"{at}: datasets.load_dataset cannot read it"
+                             f"{f' (config {config!r})' if config else ''}: {_one_line(e)}") from None
+
+    def _split_rows(self, splits: Mapping[str, Any], split: str, key: str) -> list[Problem]:
+        if split not in splits:
+            raise ValueError(f"{self.name}: no split {split!r} (has {sorted(splits)}); set data.source.{key}")
+        where = f"{self.name} {split}"
+        dataset = splits[split]
+        self._require(dataset.column_names, where, "column")
+        rows = dataset.select_columns(self._columns()).with_format("arrow")[:].to_pylist()
+        return self._map(rows, lambda i: f"{where}: row {i}", where, self.path)
 
 
 def _kind(value: Any) -> str:

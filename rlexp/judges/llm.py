@@ -37,6 +37,10 @@ class LLMJudge:
     (guided decoding: a grade and nothing else; null: free text). A reply with no number
     raises: the guard fails the sample and the failure is counted."""
 
+    # With `base_url` null and a `reply_regex`, grading asks the policy's engine for a
+    # constrained reply: config.py then needs an engine that `constrains_replies`.
+    constrains_policy_replies = True
+
     def __init__(self, template: str = DEFAULT_TEMPLATE, base_url: str | None = None, model: str = "policy",
                  api_key: str | None = None, min_score: float = 0.0, max_score: float = 10.0,
                  weight: float = 1.0, max_tokens: AtLeast1 = 8, temperature: NonNegative = 0.0,

@@ -19,6 +19,9 @@ from rlexp.weights.files import WEIGHTS_FILE, read_shared
 
 
 class HFEngine:
+    takes_images = False
+    constrains_replies = False  # a `SamplingConfig.constraint` is not applied
+
     def __init__(
         self,
         model_path: str,

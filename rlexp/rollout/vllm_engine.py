@@ -84,6 +84,9 @@ class VLLMEngine:
     Weights: `load_weights` reloads a safetensors file in place in the engine's workers,
     from a shared mapping of it (rlexp/weights/vllm_worker.py, rlexp/weights/files.py)."""
 
+    takes_images = True  # a vision-language model's images (`generate(images=...)`)
+    constrains_replies = True  # `SamplingConfig.constraint`: regex / JSON-schema structured outputs
+
     def __init__(
         self,
         model_path: str,
