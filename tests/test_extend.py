@@ -183,3 +183,17 @@ def test_a_programming_error_in_a_users_judge_stops_the_run_and_keeps_what_was_l
     assert run.info.status == "FAILED"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean")]
     assert steps == [1]  # step 1 was logged; step 2 stopped at its first bad score
+
+
+def test_a_users_config_keys_are_checked_against_the_users_signature():
+    """The user's own config dir, composed as --config-dir composes it."""
+    def judge(**keys):
+        cfg = _compose()
+        cfg.judge = OmegaConf.create({"_target_": "my_judge.ShortAnswerJudge", **keys})
+        return cfg
+
+    with pytest.raises(ConfigError, match="judge.length_penalty must be a number, got 'fast'"):
+        validate(judge(length_penalty="fast"))
+    validate(judge(length_penalty=0.01))
+    with pytest.raises(ConfigError, match="judge.lenght_penalty is not an argument of my_judge"):
+        validate(judge(lenght_penalty=0.01))
