@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlexp.chat import tool_prompt
 from rlexp.chat.render import encode, render_chat
 from rlexp.config import validate, validate_data, validate_lengths
+from rlexp.data.hub import snapshot_commit
 from rlexp.data.manager import DataManager
 from rlexp.errors import ConfigError
 from rlexp.evaluator import Evaluator
@@ -65,8 +66,19 @@ def load_inputs(cfg: DictConfig) -> Inputs:
                             prompts_per_step=evaluator.prompts or n_source,
                             samples_per_prompt=evaluator.samples_per_prompt)
     validate_data(cfg, len(data), len(eval_data))
-    return Inputs(data, eval_data, evaluator, model_path=_model_path(cfg),
-                  data_commit=getattr(source, "commit", None))
+    inputs = Inputs(data, eval_data, evaluator, model_path=_model_path(cfg),
+                    data_commit=getattr(source, "commit", None))
+    _pin_revision(cfg.model, snapshot_commit(inputs.model_path))
+    _pin_revision(cfg.data.source, inputs.data_commit)
+    return inputs
+
+
+def _pin_revision(node: DictConfig, commit: str | None) -> None:
+    """A hub id resolved at a branch or tag (null: main) is kept in the config, which the run
+    saves and logs, as the commit it resolved to: a resumed run reads that same snapshot,
+    wherever the branch has moved since."""
+    if commit is not None and "revision" in node:
+        node.revision = commit
 
 
 def _model_path(cfg: DictConfig) -> str:

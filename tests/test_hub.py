@@ -22,7 +22,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
+from rlexp.checkpoint import RUN_CONFIG
 from rlexp.data.hub import resolve
 from rlexp.data.sources import HubSource
 from rlexp.errors import ConfigError
@@ -289,5 +291,7 @@ def test_a_run_names_its_model_and_data_by_hub_id(cache, tiny_model_path, tmp_pa
     assert (params["model.path"], params["model.commit"]) == (MODEL_ID, _commit("model"))
     assert params["model.resolved_path"] == str(snapshot.resolve())
     assert (params["data.source.name"], params["data.commit"]) == (DATA_ID, _commit("data"))
+    saved = OmegaConf.load(tmp_path / "out" / RUN_CONFIG)  # what resume=... reads: pinned commits
+    assert (saved.model.revision, saved.data.source.revision) == (_commit("model"), _commit("data"))
     loss_steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert loss_steps == [1, 2, 3]
