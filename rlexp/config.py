@@ -113,6 +113,7 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
             load_entrypoint(cfg.agent.entrypoint)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    _check_reward_functions(cfg)
     _check_scheduler(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
@@ -143,6 +144,21 @@ def _check_images(cfg: DictConfig) -> None:
     if not declares(cfg.rollout, "takes_images"):
         raise ConfigError(f"data.source has prompts with images: rollout._target_={cfg.rollout._target_} "
                           "takes none (it declares no `takes_images = True`); use rollout=vllm")
+
+
+def _check_reward_functions(cfg: DictConfig) -> None:
+    """judge=reward_functions: every function imports, before the engine starts."""
+    if "functions" not in cfg.judge.keys():  # `in` alone is False for a `???` value
+        return
+    from rlexp.judges.reward_functions import load_functions
+
+    if OmegaConf.is_missing(cfg.judge, "functions"):
+        raise ConfigError("judge.functions is required: the reward functions' import paths, e.g. "
+                          "'judge.functions=[my_rewards.accuracy]' (their module on PYTHONPATH)")
+    try:
+        load_functions(cfg.judge.functions)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_cluster(cfg: DictConfig) -> None:

@@ -20,6 +20,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 REQUIRED_OVERRIDES = {("model", "local"): ["model.path=/tmp/x"],
                       ("data", "jsonl"): ["data.source.train_path=/tmp/x.jsonl"],
+                      ("judge", "reward_functions"): ["judge.functions=[math.sqrt]"],
                       ("advantage", "gae"): ["critic=value"], ("critic", "value"): ["advantage=gae"]}
 
 

@@ -153,18 +153,21 @@ def _run(tmp_path, *overrides, pythonpath):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_run_with_the_users_judge_data_and_agent(tmp_path):
-    """The three examples together through real vLLM, from the user's config dir."""
+    """The examples together through real vLLM, from the user's config dir: TRL-style reward
+    functions (the example judge class is tested by hand above), the CSV source, the agent."""
     path = _csv(tmp_path, [(f"{a}+{b}=", a + b) for a in range(12) for b in range(6)])
-    res, client, run = _run(tmp_path, "judge=short_answer", "data=csv", f"data.source.path={path}",
-                            "agent=hint", "agent.hint=' '", pythonpath=[EXAMPLES, ROOT])
+    functions = "judge.functions=[my_rewards.accuracy,my_rewards.brevity]"
+    res, client, run = _run(tmp_path, "judge=reward_functions", functions, "judge.correct_function=accuracy",
+                            "data=csv", f"data.source.path={path}", "agent=hint", "agent.hint=' '",
+                            pythonpath=[EXAMPLES, ROOT])
     assert res.returncode == 0, res.stderr[-4000:]
     assert run.info.status == "FINISHED"
-    assert run.data.params["judge._target_"] == "my_judge.ShortAnswerJudge"
+    assert run.data.params["judge._target_"] == "rlexp.judges.reward_functions.RewardFunctions"
     assert run.data.params["data.source._target_"] == "my_data.CsvSource"
     assert run.data.params["agent._target_"] == "my_agent.HintAgent"
     rewards = client.get_metric_history(run.info.run_id, "rollout/reward_mean")
     assert [m.step for m in rewards] == [1, 2, 3]
-    assert any(m.value % 1 for m in rewards)  # the length penalty: not a plain 0/1 reward
+    assert all(m.value <= 1.0 for m in rewards)
 
 
 @pytest.mark.slow
@@ -197,3 +200,56 @@ def test_a_users_config_keys_are_checked_against_the_users_signature():
     validate(judge(length_penalty=0.01))
     with pytest.raises(ConfigError, match="judge.lenght_penalty is not an argument of my_judge"):
         validate(judge(lenght_penalty=0.01))
+
+
+def _reward_sample(reply, tokens, answer="7"):
+    s = _sample(reply, answer=answer, length=tokens)
+    return s
+
+
+def test_trl_style_reward_functions_score_unchanged():
+    from rlexp.judges.reward_functions import RewardFunctions
+
+    judge = RewardFunctions(["my_rewards.accuracy", "my_rewards.brevity"], weights=[1.0, 2.0],
+                            correct_function="accuracy")
+    s = asyncio.run(judge.score(_reward_sample("it is 7", tokens=10)))
+    assert s.reward_components == {"accuracy": 1.0, "brevity": pytest.approx(-0.02), "correct": 1.0}
+    assert s.reward == pytest.approx(1.0 + 2.0 * -0.02)
+    s = asyncio.run(judge.score(_reward_sample("it is 8", tokens=3)))
+    assert (s.reward, s.correct) == (0.0, 0.0)
+
+
+async def maybe_reward(completions, **kwargs):
+    """An async reward function that has nothing to say about replies without a digit."""
+    return [1.0 if any(c.isdigit() for c in completions[0][0]["content"]) else None]
+
+
+def returns_a_float(completions, **kwargs):
+    return 0.5  # TRL wants a list: a bug
+
+
+def returns_nan(completions, **kwargs):
+    return [float("nan")]
+
+
+def test_reward_functions_async_none_and_bad_returns():
+    from rlexp.judges.reward_functions import RewardFunctions
+
+    judge = RewardFunctions([f"{__name__}.maybe_reward", "my_rewards.accuracy"])
+    assert asyncio.run(judge.score(_reward_sample("7", 1))).reward == 2.0
+    s = asyncio.run(judge.score(_reward_sample("none", 1)))
+    assert s.reward == 0.0 and s.reward_components == {"accuracy": 0.0}  # None adds nothing
+    with pytest.raises(TypeError, match="must return a list with one value per completion"):
+        asyncio.run(RewardFunctions([f"{__name__}.returns_a_float"]).score(_reward_sample("7", 1)))
+    with pytest.raises(ValueError, match="returns_nan returned nan"):
+        asyncio.run(RewardFunctions([f"{__name__}.returns_nan"]).score(_reward_sample("7", 1)))
+
+
+@pytest.mark.parametrize("functions, message", [
+    ("[my_rewards.accuracy,my_rewards.nope]", "judge.functions: cannot import 'my_rewards.nope'"),
+    (None, "judge.functions is required"),
+])
+def test_reward_functions_are_checked_before_anything_starts(functions, message):
+    overrides = ["judge=reward_functions"] + ([f"judge.functions={functions}"] if functions else [])
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose(*overrides))
