@@ -330,6 +330,19 @@ def test_a_strict_schema_with_a_keyword_no_pattern_enforces_is_refused(tokenizer
     assert r["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": ["n"]},  # found by the fuzz test: properties as a list
+    {"type": "object", "anyOf": 7},
+    {"type": "object", "allOf": {"a": {"type": "integer"}}},
+])
+def test_a_strict_schema_of_the_wrong_shape_is_a_400(tokenizer, parameters):
+    store = SessionStore(ScriptedEngine(tokenizer, []), tokenizer, max_context=512)
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}]
+    with pytest.raises(SessionError) as refused:
+        asyncio.run(store.chat(store.open(), {"messages": USER, "tools": tools, "tool_choice": "required"}))
+    assert refused.value.status == 400 and refused.value.param == "tools.[0].function.parameters"
+
+
 async def _streamed_and_not(base_url, store, body):
     """The same request, streamed and not, each in a session of its own: (chunks, reply, the
     two sessions' branches as tokens, logprobs and text)."""

@@ -39,12 +39,23 @@ def unenforced(schema: Any, where: str) -> str | None:
     for key in schema:
         if key in UNENFORCED:
             return f"{where}.{key}"
-    subs = [(f"{where}.properties.{k}", v) for k, v in (schema.get("properties") or {}).items()]
-    subs += [(f"{where}.$defs.{k}", v) for k, v in (schema.get("$defs") or {}).items()]
+    subs = [(f"{where}.properties.{k}", v) for k, v in _entries(schema.get("properties"))]
+    subs += [(f"{where}.$defs.{k}", v) for k, v in _entries(schema.get("$defs"))]
     subs += [(f"{where}.{k}", schema[k]) for k in ("items", "additionalProperties") if k in schema]
     subs += [(f"{where}.{k}.[{i}]", v) for k in ("anyOf", "oneOf", "allOf", "prefixItems")
-             for i, v in enumerate(schema.get(k) or [])]
+             for i, v in enumerate(_elements(schema.get(k)))]
     return next((found for w, sub in subs if (found := unenforced(sub, w))), None)
+
+
+def _entries(value: Any) -> list[tuple[str, Any]]:
+    """A schema keyword's subschemas by name; none where it is not an object (a malformed
+    schema, which building its pattern then refuses)."""
+    return list(value.items()) if isinstance(value, dict) else []
+
+
+def _elements(value: Any) -> list[Any]:
+    """A schema keyword's list of subschemas; none where it is not a list (as for _entries)."""
+    return value if isinstance(value, list) else []
 
 
 def schema_regex(schema: dict[str, Any]) -> str:
