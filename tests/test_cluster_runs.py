@@ -177,10 +177,18 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     titles = [title for _, title in seen.values()]
-    for wanted in ("ray::EngineRep", "VLLM::EngineCo", "raylet", "gcs_server"):
+    for wanted in ("ray::EngineRep", "raylet", "gcs_server"):
         assert any(wanted in t for t in titles), (wanted, titles)
+    # vLLM's engine core: by its title, and by the pid vLLM logs (a listing can catch the
+    # process before it is retitled; the pid is certain)
+    engine_cores = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", log.read_text())}
+    assert engine_cores or any("VLLM::EngineCo" in t for t in titles), titles
     assert not any("ray::TrainerWorker" in t for t in titles), titles  # one worker: the driver trains
-    _, alive = psutil.wait_procs([p for p, _ in seen.values()], timeout=60)
+    procs = [p for p, _ in seen.values()]
+    for pid in engine_cores - set(seen):
+        with contextlib.suppress(psutil.NoSuchProcess):  # part 1's engine core is long gone
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
     # 3. resumed with two workers: finishes, the same MLflow run, each step's loss logged once
     _finish(_resume_cmd(run_dir, "trainer.workers=2"), log)
