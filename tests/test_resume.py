@@ -310,6 +310,9 @@ def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp
     store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
     cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", "agent=multiturn", "judge=multiturn",
            "rollout.max_model_len=256", "scheduler=async", "scheduler.staleness_threshold=1",
+           # launches go on during evaluation, so that the checkpoints after one (steps 2, 4) also
+           # hold groups in flight: more chances of the checkpoint this test needs
+           "scheduler.pause_for_eval=false",
            f"trainer.total_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
            f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
            "logger.experiment_name=test", f"model.cache_dir={models}", "model.warm_start_steps=40",
