@@ -184,7 +184,8 @@ class RLLoop:
         torch.manual_seed(cfg.seed)
         inputs = inputs or load_inputs(cfg)
         self.data, self.eval_data, self.evaluator = inputs.data, inputs.eval_data, inputs.evaluator
-        self.model_path, self.data_commit = inputs.model_path, inputs.data_commit
+        self.model_path = inputs.model_path
+        self.commits = {"model.commit": inputs.model_commit, "data.commit": inputs.data_commit}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if not inputs.lengths_checked:
             check_lengths(cfg, inputs, self.tokenizer)
@@ -200,12 +201,7 @@ class RLLoop:
             sizes = derived(self.cfg)
             log.info("derived: %s", sizes)
             extra = {f"derived.{k}": v for k, v in sizes.items()} | {"model.resolved_path": self.model_path}
-            from rlexp.data.hub import snapshot_commit  # the hub commit a model=local hub id resolved to
-
-            if (commit := snapshot_commit(self.model_path)) is not None:
-                extra["model.commit"] = commit
-            if self.data_commit is not None:
-                extra["data.commit"] = self.data_commit
+            extra |= {k: v for k, v in self.commits.items() if v is not None}  # hub ids' resolved commits
             extra |= self.cluster.params()
             if "tool_prompt" in self.cfg.agent:
                 asked = self.cfg.agent.tool_prompt

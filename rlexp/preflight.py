@@ -44,6 +44,7 @@ class Inputs:
     eval_data: DataManager
     evaluator: Evaluator
     model_path: str
+    model_commit: str | None = None  # the hub commit a model=local hub id resolved to
     data_commit: str | None = None  # the hub commit data=hub resolved to (a source's `commit`)
     lengths_checked: bool = False  # by the light tokenizer: the loop need not count them again
     has_images: bool = False  # some prompt has images (the full config check asks the components)
@@ -66,9 +67,10 @@ def load_inputs(cfg: DictConfig) -> Inputs:
                             prompts_per_step=evaluator.prompts or n_source,
                             samples_per_prompt=evaluator.samples_per_prompt)
     validate_data(cfg, len(data), len(eval_data))
-    inputs = Inputs(data, eval_data, evaluator, model_path=_model_path(cfg),
-                    data_commit=getattr(source, "commit", None))
-    _pin_revision(cfg.model, snapshot_commit(inputs.model_path))
+    model_path = _model_path(cfg)
+    inputs = Inputs(data, eval_data, evaluator, model_path=model_path,
+                    model_commit=snapshot_commit(model_path), data_commit=getattr(source, "commit", None))
+    _pin_revision(cfg.model, inputs.model_commit)
     _pin_revision(cfg.data.source, inputs.data_commit)
     return inputs
 

@@ -202,20 +202,15 @@ def test_a_users_config_keys_are_checked_against_the_users_signature():
         validate(judge(lenght_penalty=0.01))
 
 
-def _reward_sample(reply, tokens, answer="7"):
-    s = _sample(reply, answer=answer, length=tokens)
-    return s
-
-
 def test_trl_style_reward_functions_score_unchanged():
     from rlexp.judges.reward_functions import RewardFunctions
 
     judge = RewardFunctions(["my_rewards.accuracy", "my_rewards.brevity"], weights=[1.0, 2.0],
                             correct_function="accuracy")
-    s = asyncio.run(judge.score(_reward_sample("it is 7", tokens=10)))
+    s = asyncio.run(judge.score(_sample("it is 7", length=10)))
     assert s.reward_components == {"accuracy": 1.0, "brevity": pytest.approx(-0.02), "correct": 1.0}
     assert s.reward == pytest.approx(1.0 + 2.0 * -0.02)
-    s = asyncio.run(judge.score(_reward_sample("it is 8", tokens=3)))
+    s = asyncio.run(judge.score(_sample("it is 8", length=3)))
     assert (s.reward, s.correct) == (0.0, 0.0)
 
 
@@ -236,13 +231,13 @@ def test_reward_functions_async_none_and_bad_returns():
     from rlexp.judges.reward_functions import RewardFunctions
 
     judge = RewardFunctions([f"{__name__}.maybe_reward", "my_rewards.accuracy"])
-    assert asyncio.run(judge.score(_reward_sample("7", 1))).reward == 2.0
-    s = asyncio.run(judge.score(_reward_sample("none", 1)))
+    assert asyncio.run(judge.score(_sample("7", length=1))).reward == 2.0
+    s = asyncio.run(judge.score(_sample("none", length=1)))
     assert s.reward == 0.0 and s.reward_components == {"accuracy": 0.0}  # None adds nothing
     with pytest.raises(TypeError, match="must return a list with one value per completion"):
-        asyncio.run(RewardFunctions([f"{__name__}.returns_a_float"]).score(_reward_sample("7", 1)))
+        asyncio.run(RewardFunctions([f"{__name__}.returns_a_float"]).score(_sample("7", length=1)))
     with pytest.raises(ValueError, match="returns_nan returned nan"):
-        asyncio.run(RewardFunctions([f"{__name__}.returns_nan"]).score(_reward_sample("7", 1)))
+        asyncio.run(RewardFunctions([f"{__name__}.returns_nan"]).score(_sample("7", length=1)))
 
 
 @pytest.mark.parametrize("functions, message", [
