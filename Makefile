@@ -1,5 +1,6 @@
 # make run   - create .venv (first time) and run the default experiment
 # make test  - create .venv (first time), check the pins, lint (ruff, mypy), run the whole test suite
+# make envs  - the environment libraries' own venvs (.venv-verifiers, .venv-openenv; make test needs them)
 # make lock  - re-resolve the pins (requirements/*.in -> requirements/*.txt)
 # make docs  - serve the docs site on http://127.0.0.1:8000 (make test builds it --strict)
 # make ui    - open the MLflow UI on this directory's runs
@@ -7,14 +8,23 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+ENVS   := verifiers openenv
+ENV_STAMPS := $(foreach e,$(ENVS),.venv-$(e)/.installed)
 
-.PHONY: install run test pins lint lock browser docs docs-check ui bench clean
+.PHONY: install envs run test pins lint lock browser docs docs-check ui bench clean
 
 $(STAMP): scripts/install.sh pyproject.toml requirements/cpu.txt requirements/gpu.txt
 	bash scripts/install.sh
 	touch $@
 
 install: $(STAMP)
+
+# One venv per environment library (scripts/install_envs.sh says why), each from its own lock.
+.venv-%/.installed: scripts/install_envs.sh requirements/envs/%.txt $(STAMP)
+	bash scripts/install_envs.sh $*
+	touch $@
+
+envs: $(ENV_STAMPS)
 
 run: $(STAMP)
 	$(PY) -m rlexp.run
@@ -31,7 +41,7 @@ pins: $(STAMP)
 lock:
 	bash scripts/lock.sh
 
-test: pins lint docs-check browser
+test: pins lint docs-check browser envs
 	$(PY) -m pytest
 
 # Headless Chromium for the MLflow UI test. Without it that test is skipped, except under CI
@@ -53,4 +63,4 @@ bench: $(STAMP)
 	$(PY) bench/rollout_overhead.py
 
 clean:
-	rm -rf $(VENV) .cache outputs/* sweeps/*
+	rm -rf $(VENV) $(foreach e,$(ENVS),.venv-$(e)) .cache outputs/* sweeps/*

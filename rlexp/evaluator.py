@@ -17,6 +17,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def per_task_accuracy(batch: list[Sample]) -> dict[str, float]:
+    """`eval/accuracy/<task>` for samples whose `metadata["task"]` names one (a mix of tasks:
+    rlexp/data/reasoning_gym.py); failed or aborted samples count as wrong, as overall."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for s in batch:
+        if "task" in s.metadata:
+            by_task[s.metadata["task"]].append(s.correct if s.status == Status.COMPLETED else 0.0)
+    return {f"eval/accuracy/{task}": sum(v) / len(v) for task, v in sorted(by_task.items())}
+
+
 class Evaluator:
     """`every_n_steps`, `prompts` (None = the whole held-out split), `samples_per_prompt`
     and `sampling` tell the loop how to produce the eval batch."""
@@ -46,6 +56,7 @@ class Evaluator:
         firsts = [s.reward_components["turn_1"] for s in done if "turn_1" in s.reward_components]
         if firsts:  # multi-turn: how often the first answer was already right
             metrics["eval/first_turn_accuracy"] = sum(firsts) / len(batch)
+        metrics |= per_task_accuracy(batch)
         k = 1
         while k <= n:
             full = [g for g in groups.values() if len(g) == n]

@@ -17,3 +17,9 @@ compile() {  # platform, extra uv flags...
 # builds here, and with them present transformers' model classes fail to import.
 compile cpu --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 compile gpu
+# The environment libraries' own venvs (scripts/install_envs.sh), one lock each.
+for in_file in requirements/envs/*.in; do
+  .venv/bin/uv pip compile "$in_file" --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+    --no-annotate --quiet --custom-compile-command "make lock" -o "${in_file%.in}.txt"
+  echo "lock: ${in_file%.in}.txt: $(grep -c '==' "${in_file%.in}.txt") packages"
+done

@@ -4,7 +4,7 @@ import pytest
 
 from rlexp.data import arithmetic
 from rlexp.data.manager import DataManager
-from rlexp.data.sources import ArithmeticSource, JsonlSource
+from rlexp.data.sources import ArithmeticSource, JsonlSource, Problem
 
 
 def test_arithmetic_split_is_deterministic_disjoint_and_correct():
@@ -74,6 +74,20 @@ def test_data_manager_groups_and_epochs():
         seen += [g[0].prompt[-1]["content"] for g in groups]
     assert sorted(seen) == sorted(p.messages[-1]["content"] for p in src.problems("train"))
     assert [g[0].group_id for g in dm.sample_groups(2)] == [20, 21]  # ids go on across epochs
+
+
+class _Tagged:
+    def problems(self, split):
+        return [Problem([{"role": "user", "content": f"q{i}"}], str(i), metadata={"task": f"t{i}"})
+                for i in range(3)]
+
+
+def test_a_problems_metadata_reaches_each_of_its_samples_as_a_copy():
+    groups = DataManager(_Tagged(), prompts_per_step=3, samples_per_prompt=2, seed=0,
+                         split="eval").sample_groups(3)
+    assert [[s.metadata["task"] for s in g] for g in groups] == [["t0", "t0"], ["t1", "t1"], ["t2", "t2"]]
+    groups[0][0].metadata["task"] = "changed"  # one sample's metadata is its own
+    assert groups[0][1].metadata["task"] == "t0" and "seed" in groups[0][1].metadata
 
 
 def test_eval_split_keeps_order():

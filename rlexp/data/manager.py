@@ -52,7 +52,7 @@ class DataManager:
             # A per-sample seed fixed by (seed, group, index): the same run config rolls out the
             # same tokens whatever the order in which requests are issued or finish.
             groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer, uid=self._next_uid + i,
-                                  metadata={"seed": hash((self.seed, gid, i)) & 0x7FFFFFFF})
+                                  metadata=p.metadata | {"seed": hash((self.seed, gid, i)) & 0x7FFFFFFF})
                            for i in range(self.samples_per_prompt)])
             self._next_uid += self.samples_per_prompt
         return groups

@@ -15,7 +15,7 @@ import json
 import random
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +29,9 @@ class Problem:
     messages: list[dict[str, Any]]  # content: a string, or parts (text, image) for a vision-language model
     answer: str
     where: str = ""  # file:line (JSONL) or file: row i (Parquet, datasets), for error messages
+    # what a judge or agent needs beyond the answer (a task's name and entry, an environment's
+    # task index); copied into each of its samples' `metadata`, JSON-serialisable
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class PromptSource(Protocol):
