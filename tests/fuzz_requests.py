@@ -56,7 +56,8 @@ def requests(draw):
         return path, base | {"messages": draw(st.lists(MESSAGE, max_size=3))}
     if kind == "structured":  # constraints and tools, near-valid, on their own or forced
         field = draw(st.sampled_from(sorted(STRUCTURED)))
-        extra = draw(st.sampled_from([{}, {"tool_choice": "required"}, {"tool_choice": "none"}]))
+        extra = draw(st.sampled_from([{}, {"tool_choice": "required"}, {"tool_choice": "none"},
+                                      {"parallel_tool_calls": False}]))
         return path, base | {field: draw(STRUCTURED[field])} | (extra if field == "tools" else {})
     if kind == "number":  # a sampling field at or around its bounds
         field = draw(st.sampled_from(["max_tokens", "max_completion_tokens", "temperature", "top_p", "n",

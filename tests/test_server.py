@@ -148,9 +148,9 @@ BAD_REQUESTS = [
      "reasoning_effort", "not a field rlexp knows"),
     ("a deprecated field that changes the reply", "/chat/completions",
      {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "not a field rlexp knows"),
-    ("parallel_tool_calls=false with tool_choice auto", "/chat/completions",
-     {"messages": USER, "tools": [TOOL], "parallel_tool_calls": False}, 400, "parallel_tool_calls",
-     "only with a forced call"),
+    ("parallel_tool_calls not a boolean", "/chat/completions",
+     {"messages": USER, "tools": [TOOL], "parallel_tool_calls": "false"}, 400, "parallel_tool_calls",
+     "valid boolean"),
     ("json_schema format without its schema", "/chat/completions",
      {"messages": USER, "response_format": {"type": "json_schema"}}, 400, "response_format", "goes with"),
     ("unknown response_format type", "/chat/completions",
@@ -392,3 +392,135 @@ def test_a_streamed_reply_is_the_reply_and_is_recorded_the_same(tokenizer):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert _joined(chunks2, 0)[0] == reply2.choices[0].message.content == "46"
     assert chunks2[-1].choices == [] and chunks2[-1].usage.completion_tokens == reply2.usage.completion_tokens
+
+
+# ---- parallel_tool_calls=false under "auto", and stop strings: replies cut token-aligned --------
+def merged_tokenizer(*pairs: tuple[str, str]):
+    """The tiny model's character-level tokenizer plus BPE merges of `pairs`, so that one token
+    can straddle the place where a reply is cut."""
+    from transformers import Qwen2Tokenizer
+
+    from rlexp.models.tiny import CHARS, CHAT_TEMPLATE, SPECIAL_TOKENS, _byte_level
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab |= {_byte_level(c): len(SPECIAL_TOKENS) + i for i, c in enumerate(CHARS)}
+    vocab |= {a + b: len(vocab) + i for i, (a, b) in enumerate(pairs)}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=list(pairs), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         unk_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+CALL2 = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+
+
+def _assistant_turns(sample):
+    """The trained spans of a sample: (tokens, logprobs) of each turn the policy wrote."""
+    return [(sample.tokens[a:b], sample.logprobs[a:b]) for t in sample.turns if t["mask"]
+            for a, b in [t["span"]]]
+
+
+def test_parallel_tool_calls_false_under_auto_ends_the_reply_after_its_first_call():
+    """The engine writes two calls; the reply is the first, cut right after its `</tool_call>`
+    (">o" is one token here: kept whole), and only the kept tokens are recorded and trained.
+    The next turn, through the `openai` package over HTTP, extends them without a prefix break."""
+    tok = merged_tokenizer((">", "o"))
+    first = "Sure. " + CALL + "ok " + CALL2
+    engine = ScriptedEngine(tok, [first, "46", CALL])
+    store = SessionStore(engine, tok, max_context=512)
+    sid = store.open()
+
+    async def go():
+        server = ChatServer(store)
+        await server.start()
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        try:
+            messages = [{"role": "user", "content": "12+34="}]
+            r1 = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[TOOL], tool_choice="auto",
+                parallel_tool_calls=False, extra_body={"session_id": sid})
+            msg = r1.choices[0].message
+            messages += [msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                         {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "46"}]
+            r2 = await client.chat.completions.create(  # tools without tool_choice: "auto"
+                model="policy", messages=messages, tools=[TOOL], parallel_tool_calls=False,
+                extra_body={"session_id": sid})
+            # forced, as before: one call, the engine's reply whole (its end token included)
+            r3 = await client.chat.completions.create(
+                model="policy", messages=messages[:1], tools=[TOOL], tool_choice="required",
+                parallel_tool_calls=False, extra_body={"session_id": store.open()})
+            return r1, r2, r3
+        finally:
+            await server.stop()
+
+    r1, r2, r3 = asyncio.run(go())
+    c1 = r1.choices[0]
+    assert c1.finish_reason == "tool_calls" and len(c1.message.tool_calls) == 1
+    call = c1.message.tool_calls[0].function
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "12+34"}
+    assert c1.message.content == "Sure."
+    generated = engine.calls[0][1]
+    kept = tok.encode("Sure. " + CALL + "o", add_special_tokens=False)  # ...</tool_call + ">o"
+    assert tok.convert_ids_to_tokens(kept[-1]) == ">o" and generated[:len(kept)] == kept
+    assert c1.model_extra["token_ids"] == kept and len(c1.logprobs.content) == len(kept)
+    assert r1.usage.completion_tokens == len(kept)
+    assert r2.choices[0].message.content == "46" and r2.choices[0].finish_reason == "stop"
+    assert r3.choices[0].finish_reason == "tool_calls" and len(r3.choices[0].message.tool_calls) == 1
+    assert r3.choices[0].model_extra["token_ids"] == engine.calls[2][1]  # not cut: ends with its end token
+    session = store.close(sid)
+    assert session.prefix_breaks == 0
+    (sample,) = session.to_samples(Sample(group_id=0, prompt=[], answer="46"))
+    prompt2, gen2 = engine.calls[1]
+    assert sample.tokens == prompt2 + gen2
+    assert prompt2[len(engine.calls[0][0]):][:len(kept)] == kept  # turn 2 extends the kept tokens
+    assert _assistant_turns(sample) == [(kept, [-0.5] * len(kept)), (gen2, [-0.5] * len(gen2))]
+    assert sum(sample.loss_mask) == len(kept) + len(gen2)  # the cut tokens are nowhere
+    assert "<|im_start|>tool\n46<|im_end|>" in tok.decode(sample.tokens)
+
+
+def test_stop_strings_are_left_out_of_the_reply_and_kept_in_the_session():
+    """`stop`: the reply is the text before the stop string (OpenAI's), streamed or not; the
+    session keeps the whole tokens generated up to the one that completed it ("ok", one token
+    here), and the next turn, which sends back the shortened content, extends them."""
+    tok = merged_tokenizer(("o", "k"))
+    reply = "Sure, ok then."
+    engine = ScriptedEngine(tok, [reply, reply, reply, "46", reply, reply])
+    store = SessionStore(engine, tok, max_context=512)
+    kept = tok.encode("Sure, ok", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(kept[-1]) == "ok"
+
+    async def go():
+        server = ChatServer(store)
+        await server.start()
+        try:
+            chunks, plain, (streamed_session, plain_session) = await _streamed_and_not(
+                server.base_url, store, dict(messages=USER, stop=["o"]))
+            sid = store.open()
+            client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+            messages = [{"role": "user", "content": "12+34="}]
+            r1 = await client.chat.completions.create(model="policy", messages=messages, stop="o",
+                                                      extra_body={"session_id": sid})
+            messages += [{"role": "assistant", "content": r1.choices[0].message.content},
+                         {"role": "user", "content": "Sure?"}]
+            await client.chat.completions.create(model="policy", messages=messages, stop="o",
+                                                 extra_body={"session_id": sid})
+            completion = dict(model="policy", prompt="12+34=", stop=["then", ","])
+            completions = [await client.completions.create(**completion)]
+            completions.append([c async for c in await client.completions.create(**completion, stream=True)])
+            return chunks, plain, streamed_session == plain_session, store.close(sid), r1, completions
+        finally:
+            await server.stop()
+
+    chunks, plain, same, session, r1, (completion, completion_chunks) = asyncio.run(go())
+    assert plain.choices[0].message.content == "Sure, " == _joined(chunks, 0)[0]
+    assert plain.choices[0].model_extra["token_ids"] == kept and plain.choices[0].finish_reason == "stop"
+    assert same  # streamed or not, the session holds the same tokens
+    assert r1.choices[0].message.content == "Sure, " and r1.choices[0].model_extra["token_ids"] == kept
+    assert session.prefix_breaks == 0
+    (sample,) = session.to_samples(Sample(group_id=0, prompt=[], answer="46"))
+    prompt2, gen2 = engine.calls[3]
+    assert sample.tokens == prompt2 + gen2 and prompt2[len(engine.calls[2][0]):][:len(kept)] == kept
+    assert [t for t, _ in _assistant_turns(sample)] == [kept, gen2]
+    # /v1/completions: the text before the earliest stop string, streamed or not
+    assert completion.choices[0].text == "Sure" == "".join(c.choices[0].text for c in completion_chunks)
+    assert completion.choices[0].model_extra["token_ids"] == tok.encode("Sure,", add_special_tokens=False)

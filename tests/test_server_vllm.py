@@ -2,6 +2,7 @@
 (hypothesis): never a 5xx, never a corrupted session."""
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -20,10 +21,12 @@ from tests.test_server import _check_stitching, _joined, _streamed_and_not, thre
 
 
 class RecordingEngine:
-    """Wraps a real engine; records exactly the tokens it was given and generated."""
+    """Wraps a real engine; records exactly the tokens it was given and generated. `force`: a
+    Constraint for the next generation in place of the request's, for a test to have vLLM
+    write what a tiny model would not on its own (two tool calls)."""
 
     def __init__(self, engine):
-        self.engine, self.calls = engine, []
+        self.engine, self.calls, self.force = engine, [], None
         self.sampling, self.max_model_len = engine.sampling, engine.max_model_len
 
     @property
@@ -34,6 +37,8 @@ class RecordingEngine:
         return await self.generate_streaming(token_ids, sampling, None)
 
     async def generate_streaming(self, token_ids, sampling, on_tokens, images=None):
+        if self.force is not None:
+            sampling, self.force = dataclasses.replace(sampling, constraint=self.force), None
         gen = await self.engine.generate_streaming(token_ids, sampling, on_tokens)
         self.calls.append((list(token_ids), list(gen.token_ids)))
         return gen
@@ -287,6 +292,123 @@ def test_a_streamed_completion_is_the_plain_completion(vllm_server):
     assert ids == plain.model_extra["token_ids"] and len(ids) == 16
     assert sum(1 for p in parts if (p.model_extra or {}).get("token_ids")) > 1  # as generated, not at the end
     assert parts[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 16
+
+def _stop_inside(text):
+    """A stop string of two characters whose first occurrence in `text` is past its start."""
+    return next(text[i:i + 2] for i in range(1, len(text) - 1) if text.index(text[i:i + 2]) == i)
+
+
+def _trained_turns(sample):
+    """(tokens, logprobs) of each span of a sample the policy wrote."""
+    return [(sample.tokens[a:b], sample.logprobs[a:b]) for t in sample.turns if t["mask"]
+            for a, b in [t["span"]]]
+
+
+@pytest.mark.vllm
+def test_parallel_tool_calls_false_under_auto_returns_one_call_and_the_next_turn_extends_it(
+        vllm_server, tokenizer):
+    """vLLM writes two calls (pinned by its structured outputs through `RecordingEngine.force`:
+    the tiny model writes none on its own); with parallel_tool_calls=false under "auto" the
+    reply is the first, its tokens cut right after its `</tool_call>`. The `openai` package
+    sends back the call and its result: the next turn extends the kept tokens (no prefix
+    break), and the sample trains exactly the tokens returned, with vLLM's logprobs."""
+    import jsonschema
+
+    from rlexp.chat.schema import Tool
+    from rlexp.chat.structured import call_regex
+    from rlexp.sample import Constraint
+
+    store, recorder, client = vllm_server.store, vllm_server.recorder, _client(vllm_server)
+    schema = {"type": "object", "additionalProperties": False, "required": ["expression"],
+              "properties": {"expression": {"type": "string", "maxLength": 6}}}
+    tool = {"type": "function", "function": {"name": "calculator", "parameters": schema}}
+    one = call_regex([Tool.model_validate(tool)], ["calculator"])
+    sid = _session(vllm_server)
+    recorder.calls.clear()
+    recorder.force = Constraint("regex", f"({one})({one})")
+    messages = [{"role": "user", "content": "12+34="}]
+    try:
+        r1 = client.chat.completions.create(
+            model="policy", messages=messages, tools=[tool], tool_choice="auto", parallel_tool_calls=False,
+            max_tokens=300, seed=0, extra_body={"session_id": sid})
+    finally:
+        recorder.force = None  # used, or not (a refused request): never by another request
+    c1 = r1.choices[0]
+    (prompt1, gen1), = recorder.calls
+    assert tokenizer.decode(gen1, skip_special_tokens=True).count("</tool_call>") == 2  # vLLM wrote two
+    assert c1.finish_reason == "tool_calls" and len(c1.message.tool_calls) == 1
+    assert c1.message.tool_calls[0].function.name == "calculator"
+    jsonschema.validate(json.loads(c1.message.tool_calls[0].function.arguments), schema)
+    kept = c1.model_extra["token_ids"]
+    assert gen1[:len(kept)] == kept and len(kept) < len(gen1)
+    text = tokenizer.decode(kept)
+    assert text.endswith("</tool_call>") and text.count("</tool_call>") == 1
+    assert r1.usage.completion_tokens == len(kept) == len(c1.logprobs.content)
+
+    call = c1.message.tool_calls[0]
+    messages += [c1.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}),
+                 {"role": "tool", "tool_call_id": call.id, "content": "46"}]
+    r2 = client.chat.completions.create(  # tools, no tool_choice: "auto"
+        model="policy", messages=messages, tools=[tool], parallel_tool_calls=False, max_tokens=24, seed=1,
+        extra_body={"session_id": sid})
+    c2 = r2.choices[0]
+    assert len(c2.message.tool_calls or []) <= 1
+    session = store.close(sid)
+    assert session.prefix_breaks == 0
+    (sample,) = session.to_samples(Sample(group_id=0, prompt=[], answer="46"))
+    assert sample.metadata["prefix_breaks"] == 0
+    prompt2, _ = recorder.calls[1]
+    assert prompt2[:len(prompt1) + len(kept)] == prompt1 + kept  # turn 2 extends the kept tokens
+    assert sample.tokens == prompt2 + c2.model_extra["token_ids"]
+    assert _trained_turns(sample) == [(kept, [t.logprob for t in c1.logprobs.content]),
+                                      (c2.model_extra["token_ids"], [t.logprob for t in c2.logprobs.content])]
+    assert "<|im_start|>tool\n46<|im_end|>" in tokenizer.decode(sample.tokens)
+
+
+@pytest.mark.vllm
+def test_stop_strings_are_left_out_of_the_reply_and_the_next_turn_extends_the_generated_tokens(
+        vllm_server, tokenizer):
+    """Greedy replies, without and with a stop string taken from inside the first: the reply
+    is the text before it, streamed or not, chat or completions; the session keeps the tokens
+    vLLM generated up to the one that completed it, and the next turn, which sends back the
+    shortened content, extends them without a prefix break."""
+    store, recorder, client = vllm_server.store, vllm_server.recorder, _client(vllm_server)
+    body = dict(model="policy", messages=[{"role": "user", "content": "12+34="}], max_tokens=16,
+                temperature=0.0, logit_bias={"2": -100})  # 2, end of turn: never, 16 tokens
+    plain = client.chat.completions.create(**body, extra_body={"session_id": _session(vllm_server)})
+    plain = plain.choices[0]
+    ids, text = plain.model_extra["token_ids"], plain.message.content
+    stop = _stop_inside(text)
+    k = next(i for i in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:i], skip_special_tokens=True))
+
+    sid = _session(vllm_server)
+    recorder.calls.clear()
+    r1 = client.chat.completions.create(**body, stop=[stop], extra_body={"session_id": sid}).choices[0]
+    assert r1.message.content == text[:text.index(stop)] != "" and r1.finish_reason == "stop"
+    assert r1.model_extra["token_ids"] == ids[:k] == recorder.calls[0][1][:k]  # whole tokens, as generated
+    messages = body["messages"] + [{"role": "assistant", "content": r1.message.content},
+                                   {"role": "user", "content": "Sure?"}]
+    r2 = client.chat.completions.create(**(body | {"messages": messages}), stop=[stop],
+                                        extra_body={"session_id": sid}).choices[0]
+    session = store.close(sid)
+    assert session.prefix_breaks == 0
+    (sample,) = session.to_samples(Sample(group_id=0, prompt=[], answer="46"))
+    assert sample.metadata["prefix_breaks"] == 0
+    (prompt1, gen1), (prompt2, _) = recorder.calls
+    assert prompt2[:len(prompt1) + k] == prompt1 + gen1[:k]
+    assert _trained_turns(sample) == [(gen1[:k], [t.logprob for t in r1.logprobs.content]),
+                                      (r2.model_extra["token_ids"], [t.logprob for t in r2.logprobs.content])]
+
+    streamed = client.chat.completions.create(**body, stop=[stop], stream=True,
+                                              extra_body={"session_id": _session(vllm_server)})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r1.message.content
+    # /v1/completions: the same, streamed and not
+    completion = dict(model="policy", prompt="12+34=", max_tokens=16, temperature=0.0, logit_bias={"2": -100})
+    whole = client.completions.create(**completion).choices[0].text
+    cut = client.completions.create(**completion, stop=_stop_inside(whole)).choices[0]
+    assert cut.text == whole[:whole.index(_stop_inside(whole))] != "" and cut.finish_reason == "stop"
+    chunks = client.completions.create(**completion, stop=_stop_inside(whole), stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut.text
 
 # ---- streaming ------------------------------------------------------------------------------
 @pytest.mark.vllm

@@ -130,6 +130,9 @@ class SessionStore:
         sampling = dataclasses.replace(sampling, constraint=structured.constraint(request),
                                        top_logprobs=request.top_logprobs or 0)
         calls_allowed = bool(tools) and request.tool_choice != "none"
+        # parallel_tool_calls=false: at most one call. A forced call is one already (its
+        # constraint); under "auto" the reply is cut after its first call (`_cut`).
+        one_call = calls_allowed and request.parallel_tool_calls is False and not request.forced_tools
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=True) if emit else None
         token_by_token = not calls_allowed and not request.stops
         gens = [await self._generate_choice(prompt.trace.tokens, _nth(sampling, i), i, stream, token_by_token,
@@ -137,17 +140,18 @@ class SessionStore:
                 for i in range(request.n or 1)]
         choices: list[dict[str, Any]] = []
         for i, gen in enumerate(gens):  # no await from here on: all choices are recorded, or none
-            gen = _apply_stop(gen, request.stops, self.tokenizer)
+            gen, text, cut = _cut(gen, self.tokenizer, request.stops, one_call, len(prompt.trace.tokens))
             session.record(prompt, gen, sampling.requested())
-            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
             content, calls = parse_tool_calls(text) if calls_allowed else (text, [])
-            message = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             # What the template must write back for this reply to reproduce the generated
-            # tokens: every token, special ones included, except the closing stop token.
+            # tokens: every token, special ones included, except the closing stop token. It is
+            # keyed by the reply as returned (a cut reply's text is shorter than its tokens'),
+            # since that is what the client sends back.
             ids = gen.token_ids
-            if gen.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.all_special_ids:
+            if not cut and gen.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.all_special_ids:
                 ids = ids[:-1]
             raw[_message_key(message)] = self.tokenizer.decode(ids, skip_special_tokens=False)
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
@@ -208,12 +212,11 @@ class SessionStore:
         sampling = self._request_sampling(request, self.engine.sampling, len(ids))
         sampling = dataclasses.replace(sampling, top_logprobs=request.logprobs or 0)
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=False) if emit else None
-        choices = []
+        choices: list[dict[str, Any]] = []
         for i in range(request.n or 1):
             gen = await self._generate_choice(ids, _nth(sampling, i), i, stream,
                                               not request.stops and request.logprobs is None)
-            gen = _apply_stop(gen, request.stops, self.tokenizer)
-            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+            gen, text, _ = _cut(gen, self.tokenizer, request.stops, False, len(ids))
             choices.append({"index": i, "text": text, "token_ids": gen.token_ids,
                             "finish_reason": "length" if gen.finish_reason == "length" else "stop",
                             "logprobs": None if request.logprobs is None else self._completion_logprobs(gen)})
@@ -291,16 +294,53 @@ def _nth(sampling: SamplingConfig, i: int) -> SamplingConfig:
     return dataclasses.replace(sampling, seed=(sampling.seed + i + 2**63) % 2**64 - 2**63)
 
 
-def _apply_stop(gen: Generation, stops: list[str], tokenizer) -> Generation:
-    """Cut a generation at the first stop string (token-aligned: whole tokens are kept)."""
-    if not stops:
-        return gen
-    text = ""
-    for i, tid in enumerate(gen.token_ids):
-        text += tokenizer.decode([tid], skip_special_tokens=True)
-        if any(s in text for s in stops):
-            return Generation(gen.token_ids[:i + 1], gen.logprobs[:i + 1], "stop", gen.versions[:i + 1])
-    return gen
+def _reply_end(text: str, stops: list[str], one_call: bool) -> int | None:
+    """Where the reply ends in `text` (None: it goes on): before its first stop string, or
+    after its first complete tool call (`one_call`), whichever comes first."""
+    ends = [text.index(s) for s in stops if s in text]
+    if one_call and (m := _TOOL_CALL.search(text)):
+        ends.append(m.end())
+    return min(ends, default=None)
+
+
+def _cut(gen: Generation, tokenizer, stops: list[str], one_call: bool, prompt_len: int
+         ) -> tuple[Generation, str, bool]:
+    """(the generation's tokens the reply keeps, the reply's text, whether it was cut).
+
+    A reply ends before its first `stop` string (the text excludes it, as OpenAI's does) or,
+    with `one_call` (parallel_tool_calls=false under tool_choice "auto"), right after its first
+    complete `<tool_call>...</tool_call>` (cut only when more than whitespace follows it: a
+    reply that ended there itself keeps its end token). The tokens kept are whole ones, up to
+    and including the one that completed the stop string or the call's closing markup: what
+    the policy generated, so the session records (and trains) exactly them with their
+    logprobs and versions, and the next turn, which writes them back as generated, extends
+    them. The rest of the generation is dropped: never returned, recorded or trained.
+
+    Cut after generation rather than stopped in the engine: vLLM's stop strings need its
+    detokenizer (rlexp's engines generate tokens only, `detokenize=False`), every engine
+    would have to implement them alike, and a reply interrupted by a weight update and
+    continued would have to match across the restart; cutting here is one rule for every
+    engine, streamed or not. The cost is the tokens generated past the end."""
+    ids = gen.token_ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    end = _reply_end(text, stops, one_call)
+    if end is None or (not any(s in text for s in stops) and not text[end:].strip()):
+        return gen, text, False
+
+    def ends(k: int) -> bool:
+        return _reply_end(tokenizer.decode(ids[:k], skip_special_tokens=True), stops, one_call) is not None
+
+    lo, hi = 1, len(ids)  # the fewest tokens whose text ends the reply (a prefix's text only grows)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ends(mid) else (mid + 1, hi)
+    text = tokenizer.decode(ids[:hi], skip_special_tokens=True)
+    text = text[:_reply_end(text, stops, one_call)]
+    routing = gen.routed_experts  # positions computed: the prompt's and the kept tokens', less the last
+    kept = Generation(ids[:hi], gen.logprobs[:hi], "stop", gen.versions[:hi],
+                      None if gen.top_logprobs is None else gen.top_logprobs[:hi],
+                      None if routing is None else routing[:prompt_len + hi - 1])
+    return kept, text, True
 
 
 class Recording:

@@ -241,6 +241,8 @@ class ChatRequest(_Sampling):
     n: Annotated[int, Ge(1), Le(MAX_N)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # false: at most one call per reply (a forced call is one; under "auto" the reply ends after
+    # its first call, rlexp.chat.client._cut)
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
@@ -256,14 +258,6 @@ class ChatRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"it names {choice.function.name!r}, which is not in 'tools'")
         return choice
-
-    @field_validator("parallel_tool_calls")
-    @classmethod
-    def _one_call_only_when_forced(cls, parallel, info: ValidationInfo):
-        if parallel is False and info.data.get("tool_choice") in (None, "auto") and info.data.get("tools"):
-            raise ValueError("false is honoured only with a forced call (tool_choice 'required' or a named "
-                             "tool: exactly one call); with 'auto' the model may write several")
-        return parallel
 
     @property
     def forced_tools(self) -> list[str] | None:
