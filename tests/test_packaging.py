@@ -44,6 +44,26 @@ def providers() -> dict[str, list[str]]:
     return packages_distributions()
 
 
+# Scripts another Python runs (an environment library's own venv, scripts/install_envs.sh):
+# rlexp never imports them, so their imports are that venv's lock's, not pyproject's.
+OTHER_PYTHON = {"envs/verifiers_worker.py": "verifiers", "envs/openenv_serve.py": "openenv"}
+
+
+def third_party_imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, top-level module) of each import of a module neither stdlib nor `package`'s."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        tops = {n.partition(".")[0] for n in names} - set(sys.stdlib_module_names) - {package}
+        out += [(node.lineno, top) for top in sorted(tops)]
+    return out
+
+
 def undeclared_imports(src: Path, pyproject: Path) -> list[str]:
     """One line per import in the package `src` (every module; imports inside functions and
     under TYPE_CHECKING too) of a third-party module that no distribution declared in
@@ -51,24 +71,26 @@ def undeclared_imports(src: Path, pyproject: Path) -> list[str]:
     declared = declared_distributions(pyproject)
     out = []
     for path in sorted(src.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            tops = {n.partition(".")[0] for n in names} - set(sys.stdlib_module_names) - {src.name}
-            for top in sorted(tops):
-                dists = sorted(providers().get(top, []))
-                if not declared & {normalize(d) for d in dists}:
-                    where = path.relative_to(src.parent)
-                    out.append(f"{where}:{node.lineno}: {top} ({', '.join(dists) or 'not installed'})")
+        if path.relative_to(src).as_posix() in OTHER_PYTHON:
+            continue
+        for lineno, top in third_party_imports(path, src.name):
+            dists = sorted(providers().get(top, []))
+            if not declared & {normalize(d) for d in dists}:
+                where = path.relative_to(src.parent)
+                out.append(f"{where}:{lineno}: {top} ({', '.join(dists) or 'not installed'})")
     return out
 
 
 def test_every_third_party_import_of_rlexp_is_declared_in_pyproject():
     assert undeclared_imports(ROOT / "rlexp", PYPROJECT) == []
+
+
+def test_the_scripts_another_python_runs_import_only_what_its_lock_pins():
+    for script, env in OTHER_PYTHON.items():
+        pinned = {normalize(line.partition("==")[0]) for line in
+                  (ROOT / "requirements" / "envs" / f"{env}.txt").read_text().splitlines() if "==" in line}
+        tops = {top for _, top in third_party_imports(ROOT / "rlexp" / script, "rlexp")}
+        assert tops and {normalize({"openenv": "openenv-core"}.get(t, t)) for t in tops} <= pinned, script
 
 
 def test_an_import_of_an_installed_but_undeclared_distribution_is_reported(tmp_path):
