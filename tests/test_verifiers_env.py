@@ -1,0 +1,478 @@
+"""Environments in their own Python (rlexp/envs/): the child-process protocol with a trivial
+child (handshake, concurrency, a child that dies mid-request, a parent that dies), then real
+verifiers environments (verifiers 0.4 in .venv-verifiers, `make envs`) against one real vLLM
+engine: a single-turn env and a multi-turn env with a tool, bad input, a worker killed
+mid-run, and one whole run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rlexp.envs.process import ChildProcess, EnvProcessError, EnvRequestError
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD_PY = ROOT / "rlexp" / "envs" / "child.py"
+FAILSAFE_S = 60  # a test coroutine that never returns becomes a failure, not a hang
+
+# A trivial child (stdlib only, any Python): the protocol's child side, loaded by its path.
+TRIVIAL_CHILD = textwrap.dedent("""
+    import asyncio, importlib.util, os, sys, time
+    spec = importlib.util.spec_from_file_location("_child", sys.argv[1])
+    child = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(child)
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    cancelled = []
+
+    async def setup():
+        print("noise on stdout before the handshake goes to stderr")
+        if mode == "bad":
+            raise ImportError("No module named 'my_env'")
+        if mode == "slow":
+            await asyncio.sleep(60)
+        return {"pid": os.getpid()}
+
+    async def echo(params):
+        print("noise on stdout during a request")
+        return params
+
+    async def sleep(params):
+        try:
+            await asyncio.sleep(params["s"])
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return params["s"]
+
+    async def boom(params):
+        raise ValueError("the env said no")
+
+    async def die(params):
+        print("dying now", file=sys.stderr, flush=True)
+        await asyncio.sleep(0.2)
+        os._exit(3)
+
+    async def n_cancelled(params):
+        return len(cancelled)
+
+    sys.exit(child.serve(setup, {"echo": echo, "sleep": sleep, "boom": boom, "die": die,
+                                 "n_cancelled": n_cancelled}))
+""")
+
+
+@pytest.fixture
+def child_script(tmp_path) -> Path:
+    path = tmp_path / "trivial_child.py"
+    path.write_text(TRIVIAL_CHILD)
+    return path
+
+
+def _child(script: Path, mode: str = "", **kw) -> ChildProcess:
+    return ChildProcess("test env", [sys.executable, str(script), str(CHILD_PY), mode], **kw)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, FAILSAFE_S))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_handshake_concurrency_and_errors(child_script):
+    async def go():
+        child = _child(child_script)
+        try:
+            info = await child.start()
+            assert info["pid"] == child.pid
+            # what the child prints to stdout is not the protocol's
+            assert await child.request("echo", {"x": [1, "a"]}) == {"x": [1, "a"]}
+            t0 = time.monotonic()
+            results = await asyncio.gather(*(child.request("sleep", {"s": 0.5}) for _ in range(20)))
+            assert results == [0.5] * 20 and time.monotonic() - t0 < 5  # concurrent, not one by one
+            with pytest.raises(EnvRequestError, match="test env: ValueError: the env said no") as e:
+                await child.request("boom")
+            assert e.value.remote_type == "ValueError"
+            with pytest.raises(EnvRequestError, match="unknown op"):
+                await child.request("nope")
+            with pytest.raises(EnvProcessError, match="no answer to 'sleep' within 0.2s"):
+                await child.request("sleep", {"s": 30}, timeout_s=0.2)
+            task = asyncio.create_task(child.request("sleep", {"s": 30}))
+            await asyncio.sleep(0.3)
+            task.cancel()  # a guard's timeout: the request is cancelled in the child too
+            await asyncio.sleep(0.3)
+            assert await child.request("n_cancelled") == 2
+            assert child.starts == 1
+            pid = child.pid
+        finally:
+            await child.aclose()
+        assert not _alive(pid)
+        with pytest.raises(EnvProcessError, match="closed"):
+            await child.request("echo")
+
+    _run(go())
+
+
+def test_child_death_fails_requests_in_flight_then_restarts(child_script):
+    async def go():
+        child = _child(child_script, max_restarts=1)
+        try:
+            await child.start()
+            first_pid = child.pid
+            in_flight = [asyncio.create_task(child.request("sleep", {"s": 30})) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            with pytest.raises(EnvProcessError) as e:
+                await child.request("die")
+            assert time.monotonic() - t0 < 15  # tied to the death, not to the 30 s sleeps
+            message = str(e.value)
+            assert "test env" in message and "exited with status 3" in message and "dying now" in message
+            for task in in_flight:
+                with pytest.raises(EnvProcessError, match="exited with status 3"):
+                    await task
+            # the next request restarts the child (max_restarts=1: once)
+            assert await child.request("echo", {"again": True}) == {"again": True}
+            assert child.starts == 2 and child.pid != first_pid
+            with pytest.raises(EnvProcessError):
+                await child.request("die")
+            t0 = time.monotonic()
+            with pytest.raises(EnvProcessError, match="restarted 1 times already: not again"):
+                await child.request("echo")  # fails fast from now on
+            assert time.monotonic() - t0 < 5
+        finally:
+            await child.aclose()
+
+    _run(go())
+
+
+def test_startup_failures_are_clear_and_bounded(child_script):
+    async def go():
+        bad = _child(child_script, "bad")
+        with pytest.raises(EnvProcessError, match=r"^test env: ImportError: No module named 'my_env'$"):
+            await bad.request("echo")
+        with pytest.raises(EnvProcessError, match="my_env"):  # not restarted: it would fail the same way
+            await bad.request("echo")
+        assert bad.starts == 1
+        await bad.aclose()
+        slow = _child(child_script, "slow", startup_timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(EnvProcessError, match=r"no handshake within 1s .*noise on stdout before"):
+            await slow.start()
+        assert time.monotonic() - t0 < 10
+        assert slow.pid is not None and not _alive(slow.pid)
+        await slow.aclose()
+        missing = ChildProcess("test env", ["/nonexistent/python", "x"])
+        with pytest.raises(FileNotFoundError):
+            await missing.start()
+
+    _run(go())
+
+
+PARENT = textwrap.dedent("""
+    import asyncio, sys
+    sys.path.insert(0, sys.argv[1])
+    from rlexp.envs.process import ChildProcess
+
+    async def main():
+        child = ChildProcess("test env", [sys.executable, sys.argv[2], sys.argv[3]])
+        info = await child.start()
+        print(info["pid"], flush=True)
+        await child.request("sleep", {"s": 600})
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "stdin_closed"])
+def test_the_child_never_outlives_its_parent(child_script, tmp_path, how):
+    """The child exits when its stdin closes: rlexp SIGKILLed closes it too."""
+    if how == "stdin_closed":
+        proc = subprocess.Popen([sys.executable, str(child_script), str(CHILD_PY)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        hello = json.loads(proc.stdout.readline())
+        pid = hello["info"]["pid"]
+        proc.stdin.write(b'{"id": 1, "op": "sleep", "params": {"s": 600}}\n')
+        proc.stdin.flush()
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0  # the request in flight is cancelled; a clean exit
+        return
+    parent_py = tmp_path / "parent.py"
+    parent_py.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(parent_py), str(ROOT), str(child_script), str(CHILD_PY)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    pid = int(parent.stdout.readline())
+    assert _alive(pid)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the child outlived its SIGKILLed parent"
+
+
+# --- real verifiers environments (verifiers 0.4 in .venv-verifiers) ---------------------------
+
+VENV_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
+ENVS = ROOT / "examples" / "environments"
+CONF = ROOT / "conf"
+HANG_FAILSAFE_S = 600
+SMALL = "{taskset: {max_operand: 29, eval_size: 10}}"
+
+
+def require_venv() -> None:
+    """Not a skip: the verifiers venv is part of the test setup (`make test` makes it)."""
+    if not os.access(VENV_PYTHON, os.X_OK):
+        pytest.fail(f"{VENV_PYTHON} is missing: verifiers environments run in their own venv; "
+                    f"run `make envs` to create .venv-verifiers")
+
+
+def _cfg(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    import rlexp.config  # noqa: F401 - registers the rlexp.abspath resolver the configs use
+
+    base = ["agent=verifiers", "data=verifiers", f"data.source.paths=[{ENVS}]",
+            f"data.source.python={VENV_PYTHON}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=[*base, *overrides])
+
+
+@pytest.fixture(scope="module")
+def vllm(tiny_model_path, tokenizer):
+    """One real vLLM engine for the module, on an event loop in a background thread."""
+    require_venv()
+    from tests.conftest import vllm_on_thread
+
+    with vllm_on_thread(tiny_model_path, HANG_FAILSAFE_S, seed=0, max_model_len=384, kv_cache_gb=0.25,
+                        max_num_seqs=32, max_response_tokens=16) as (engine, run):
+        yield SimpleNamespace(engine=engine, run=run, tokenizer=tokenizer)
+
+
+def _setup(vllm, *overrides: str, **runtime):
+    """The data source and the guarded agent of `overrides`, built as a run builds them
+    (`runtime`: more keyword arguments for the agent, such as `sampling`)."""
+    from hydra.utils import instantiate
+
+    from rlexp.guards import AgentGuard
+    from rlexp.loop import build_guarded
+
+    cfg = _cfg(*overrides)
+    source = instantiate(cfg.data.source)
+
+    async def build():
+        return build_guarded(cfg, "agent", AgentGuard, engine=vllm.engine, tokenizer=vllm.tokenizer,
+                             judge=None, **runtime, _convert_="object")  # as rlexp.loop builds it
+
+    return source, vllm.run(build())
+
+
+def _samples(source, split: str, prompts: int, per_prompt: int = 2):
+    from rlexp.data.manager import DataManager
+
+    data = DataManager(source, prompts_per_step=prompts, samples_per_prompt=per_prompt, seed=0, split=split)
+    return [s for group in data.sample_groups(prompts) for s in group]
+
+
+async def _gather(coros):
+    return await asyncio.gather(*coros)
+
+
+def _check_traces(samples, tokenizer) -> None:
+    """Every trace turn's text is exactly the decode of its token span; the turns tile the tokens."""
+    for s in samples:
+        spans = [t["span"] for t in s.turns]
+        assert spans[0][0] == 0 and spans[-1][1] == len(s.tokens)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        for turn in s.turns:
+            start, end = turn["span"]
+            assert turn["text"] == tokenizer.decode(s.tokens[start:end]), turn
+        assert len(s.tokens) == len(s.loss_mask) == len(s.logprobs) == len(s.versions)
+
+
+def _rescored(vllm, agent, s) -> dict:
+    """The env's own score of the completion rlexp trains on (its last policy turn, as the
+    server answered it), from the worker's `score`."""
+    last = [t for t in s.turns if t["mask"]][-1]
+    reply = vllm.tokenizer.decode(s.tokens[slice(*last["span"])], skip_special_tokens=True)
+    request = {"index": s.metadata["task_index"], "split": s.metadata["task_split"], "reply": reply}
+    return vllm.run(agent.agent.worker.request("score", request))
+
+
+def test_single_turn_env(vllm):
+    source, agent = _setup(vllm, "data.source.env_id=vf_arith", f"data.source.env_args={SMALL}",
+                           "data.source.eval_args={split: eval}")
+    try:
+        assert source.info["env_id"] == "vf_arith" and source.info["harness"] == "null"
+        assert len(source.problems("train")) == 890
+        assert len(source.problems("eval")) == 10  # the env's own eval split
+        p = source.problems("eval")[0]
+        assert p.messages[0]["role"] == "user" and p.messages[0]["content"].endswith("=")
+        assert p.metadata["task_split"] == "eval" and p.answer == str(eval(p.messages[0]["content"][:-1]))
+        samples = _samples(source, "train", 3) + _samples(source, "eval", 1)
+        results = vllm.run(_gather(agent.rollout(s) for s in samples))
+        out = [s for r in results for s in r]
+        assert len(out) == len(samples)
+        _check_traces(out, vllm.tokenizer)
+        for s in out:
+            assert [t["role"] for t in s.turns] == ["prompt", "assistant"]
+            env = _rescored(vllm, agent, s)
+            assert s.reward == env["reward"] and s.reward_components == {
+                "correct": env["rewards"]["correct"]["score"]}
+            assert s.metadata["metrics"]["verifiers/turns_mean"] == 1.0
+            assert s.metadata["verifiers"]["stop_condition"] == "agent_completed"
+        # the env scores a right answer 1 (so the rewards above were no accident of zeros)
+        right = {"index": 0, "split": "eval", "reply": source.problems("eval")[0].answer}
+        assert vllm.run(agent.agent.worker.request("score", right))["reward"] == 1.0
+    finally:
+        vllm.run(agent.aclose())
+
+
+def test_multi_turn_env_with_a_tool(vllm):
+    """The model must call the calculator (tool_choice=required: rlexp's structured outputs
+    make the tiny model's reply a valid call): the question, the call, the tool server's
+    result, a second call; max_turns=2 ends the episode."""
+    from dataclasses import replace
+
+    source, agent = _setup(vllm, "data.source.env_id=vf_arith_tool",
+                           "data.source.env_args={taskset: {max_operand: 29, eval_size: 10}, "
+                           "agent: {max_turns: 2}}",
+                           "agent.request_sampling={tool_choice: required}",
+                           sampling=replace(vllm.engine.sampling, max_tokens=100))  # room for a call
+    try:
+        samples = _samples(source, "train", 2)
+        results = vllm.run(_gather(agent.rollout(s) for s in samples))
+        out = [s for r in results for s in r]
+        _check_traces(out, vllm.tokenizer)
+        for s in out:
+            roles = [t["role"] for t in s.turns]
+            assert roles[:4] == ["prompt", "assistant", "tool", "assistant"], roles
+            assert "<tool_call>" in s.turns[1]["text"]
+            call = json.loads(s.turns[1]["text"].split("<tool_call>")[1].split("</tool_call>")[0])
+            assert call["name"] == "calculator"
+            info = s.metadata["verifiers"]
+            assert info["num_turns"] == 2 and info["num_tool_calls"] >= 1
+            assert info["stop_condition"] == "max_turns"
+            assert s.metadata["metrics"]["verifiers/metric/tool_calls_mean"] == info["num_tool_calls"]
+            env = _rescored(vllm, agent, s)
+            assert s.reward == env["reward"]
+    finally:
+        vllm.run(agent.aclose())
+
+
+def test_worker_killed_mid_run_is_a_counted_failure(vllm):
+    from rlexp.guards import PROGRAMMING_ERRORS
+    from rlexp.sample import Status
+    from rlexp.schedulers.sync import collect
+
+    source, agent = _setup(vllm, "data.source.env_id=vf_arith", f"data.source.env_args={SMALL}")
+    try:
+        # no eval_args: data.source.eval_size (200) train tasks held out by seed
+        held_out = {p.metadata["task_index"] for p in source.problems("eval")}
+        assert len(held_out) == 200
+        assert {p.metadata["task_split"] for p in source.problems("eval")} == {"train"}
+        assert not held_out & {p.metadata["task_index"] for p in source.problems("train")}
+        samples = _samples(source, "train", 3)
+
+        async def kill_mid_run():
+            tasks = [asyncio.ensure_future(agent.rollout(s)) for s in samples]
+            await asyncio.sleep(0)
+            worker = agent.agent.worker
+            while worker is None or worker.pid is None or not worker._pending:
+                await asyncio.sleep(0.05)
+                worker = agent.agent.worker
+            os.kill(worker.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return results, time.monotonic() - t0
+
+        results, seconds = vllm.run(kill_mid_run())
+        assert seconds < 30  # the requests in flight fail with the death, no hang
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed and all(isinstance(r, EnvProcessError) and not isinstance(r, PROGRAMMING_ERRORS)
+                              for r in failed)
+        assert "exited with status -9" in str(failed[0]) and "verifiers env 'vf_arith'" in str(failed[0])
+        groups = collect(samples, results)  # as the scheduler does: FAILED with the reason, counted
+        flat = [s for g in groups for s in g]
+        assert sum(s.status == Status.FAILED for s in flat) == len(failed)
+        assert all("exited with status -9" in s.error for s in flat if s.status == Status.FAILED)
+        # the next rollout restarts the worker
+        again = vllm.run(agent.rollout(samples[0]))
+        assert again and agent.agent.worker.starts == 2
+    finally:
+        vllm.run(agent.aclose())
+
+
+def test_bad_environments_fail_in_one_line():
+    require_venv()
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from rlexp.errors import ConfigError
+
+    cases = {
+        "data.source.env_id=no_such_env":
+            "verifiers env 'no_such_env' cannot be loaded: ModuleNotFoundError: taskset 'no_such_env'",
+        "data.source.env_args={agent: {runtime: {type: prime}}}": "needs a sandbox",
+        "data.source.env_args={id: best-of-n}": "is not SingleAgentEnv",
+        f"data.source.python={ROOT}/.venv-nope/bin/python": "run `make envs`",
+    }
+    for override, expected in cases.items():
+        with pytest.raises(InstantiationException) as e:
+            instantiate(_cfg(override).data.source)
+        error = e.value.__cause__  # what preflight reports (rlexp.preflight.load_inputs)
+        assert isinstance(error, ConfigError) and expected in str(error) and "\n" not in str(error), override
+
+
+def test_a_broken_env_stops_the_run_in_preflight(tmp_path):
+    """Before any engine starts: one line on stderr, exit status 2."""
+    require_venv()
+    broken = tmp_path / "broken_env.py"
+    broken.write_text("import verifiers.v1 as vf\nraise RuntimeError('the env is broken')\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "rlexp.run", "agent=verifiers", "data=verifiers",
+                          "data.source.env_id=broken_env", f"data.source.paths=[{tmp_path}]",
+                          f"hydra.run.dir={tmp_path}/out"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert ("rlexp: config error: data.source: verifiers env 'broken_env' cannot be loaded: "
+            "RuntimeError: the env is broken") in res.stderr
+    assert "vllm" not in res.stderr.lower() and time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_whole_run(tmp_path):
+    require_venv()
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "rlexp.run", "experiment=verifiers", "trainer.total_steps=2",
+           f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path}/artifacts",
+           "logger.experiment_name=test", f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
+           f"hydra.run.dir={tmp_path}/out", "data.prompts_per_step=2", "data.samples_per_prompt=2",
+           "evaluator.prompts=4", "evaluator.every_n_steps=2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    rewards = client.get_metric_history(run.info.run_id, "rollout/reward_mean")
+    assert [m.step for m in rewards] == [1, 2]
+    assert "verifiers/reward/correct_mean" in run.data.metrics and "eval/accuracy" in run.data.metrics
+    assert run.data.metrics["samples/failed"] == 0
