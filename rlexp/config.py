@@ -113,6 +113,10 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
             load_entrypoint(cfg.agent.entrypoint)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    if isinstance(OmegaConf.select(cfg, "agent.factory"), str):  # agent=environment: importable now
+        from rlexp.agents.environment import load_factory
+
+        load_factory(cfg.agent.factory)
     _check_reward_functions(cfg)
     _check_scheduler(cfg)
     _check_cluster(cfg)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
@@ -37,7 +38,7 @@ from rlexp.checkpoint import RunState
 from rlexp.cluster import build_cluster
 from rlexp.config import derived
 from rlexp.data.manager import DataManager
-from rlexp.errors import EngineDead, ProgrammingError, RunStopped, TrainerDead
+from rlexp.errors import ConfigError, EngineDead, ProgrammingError, RunStopped, TrainerDead
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
@@ -65,7 +66,13 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
     guard_args = spec.pop("guard", None) or {}
     injected = f" (+ {', '.join(k for k in runtime if not k.startswith('_'))})" if runtime else ""
     log.info("building %-16s %s%s, guard %s", group, spec["_target_"], injected, guard_args)
-    return guard(instantiate(spec, **runtime), **guard_args)
+    try:
+        component = instantiate(spec, **runtime)
+    except InstantiationException as e:  # a component that refuses its arguments: its one line
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
+    return guard(component, **guard_args)
 
 
 def fit_call_by_call(trainer: LowLevelTrainer, batch: list[Sample], version: int) -> dict[str, float]:

@@ -73,6 +73,8 @@ BAD_OVERRIDES = [
     ("agent=tool agent.tool_prompt=sometimes", "agent.tool_prompt must be one of auto, template, system_"),
     ("rollout.replicas=2", "rollout.replicas=2 runs several engines as Ray actors: add cluster=ray"),
     ("agent=openai agent.entrypoint=nope.mod:fn", "agent.entrypoint 'nope.mod:fn' cannot be loaded"),
+    ("agent=environment agent.factory=nope.mod:Env", "agent.factory 'nope.mod:Env' cannot be loaded: ModuleNotFoundError"),
+    ("agent=environment agent.factory=Env", "agent.factory must look like 'package.module:Class'"),
     ("scheduler=async scheduler.staleness_threshold=-1", "scheduler.staleness_threshold must be >= 0"),
     ("scheduler=async scheduler.tail_batch_candidate_step=1", "go on together"),
     ("scheduler=async scheduler.staleness_threshold=1 scheduler.tail_batch_candidate_step=2 "

@@ -331,7 +331,7 @@ def test_an_openenv_episode_action_schema_feedback_done_and_reward(tokenizer, gu
                                         _call("calculator", expression="12+34"), "never asked"])
     agent = _openenv_agent(engine, tokenizer, openenv_python)
     assert agent.server is guess_server  # shared, not a second process
-    spec = agent.specs["calculator"][1]["function"]
+    spec = agent.agent.specs["calculator"][1]["function"]
     assert spec["description"] == "Guess the hidden number."
     assert list(spec["parameters"]["properties"]) == ["expression"]  # the Action's, less `metadata`
     (s,) = asyncio.run(_rollouts_then_close(agent, [_task()]))
@@ -371,6 +371,12 @@ def test_a_server_that_does_not_start_is_a_one_line_error(tokenizer, openenv_pyt
     with pytest.raises(ConfigError, match="make envs") as e:
         _openenv_agent(ScriptedEngine(tokenizer, []), tokenizer, str(tmp_path / "no-venv/bin/python"))
     assert "\n" not in str(e.value)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # built as a run builds it
+        cfg = compose("config", overrides=["agent=openenv", f"agent.environment={GUESS}",
+                                           f"agent.python={tmp_path / 'no-venv/bin/python'}"])
+    with pytest.raises(ConfigError, match="make envs"):  # its one line, not Hydra's wrapper
+        build_guarded(cfg, "agent", AgentGuard, engine=ScriptedEngine(tokenizer, []), tokenizer=tokenizer,
+                      judge=MathExactJudge())
 
 
 def test_a_server_killed_mid_run_fails_the_rollouts_it_held_then_restarts(tokenizer, openenv_python):

@@ -249,8 +249,8 @@ class EnvironmentAgent:
         """Nothing held between rollouts (an instance lives for one)."""
 
 
-class OpenEnvAgent(EnvironmentAgent):
-    """EnvironmentAgent over an OpenEnv environment (`environment`: "package.module:Class" of
+class OpenEnvAgent:
+    """An EnvironmentAgent over an OpenEnv environment (`environment`: "package.module:Class" of
     an OpenEnv `Environment` subclass, or "package.module:app" of a FastAPI app made with
     OpenEnv's `create_app`), served by OpenEnv's own server run by `python` (OpenEnv's venv),
     started when the agent is built and shared with the run's other agent (evaluation).
@@ -270,13 +270,17 @@ class OpenEnvAgent(EnvironmentAgent):
                                max_restarts=max_restarts)
         self.server: OpenEnvServer | None = server
         try:
-            super().__init__(engine, tokenizer, judge, partial(OpenEnvEnvironment, server, tool_name),
-                             sampling, max_turns, max_tool_calls, reward, "reward", tool_choice,
-                             on_prefix_break, tool_prompt)
+            episode = partial(OpenEnvEnvironment, server, tool_name)
+            self.agent = EnvironmentAgent(engine, tokenizer, judge, episode, sampling, max_turns,
+                                          max_tool_calls, reward, "reward", tool_choice, on_prefix_break,
+                                          tool_prompt)
         except BaseException:
             release(server)
             raise
-        self.name = environment
+        self.agent.name = environment
+
+    async def rollout(self, sample: Sample) -> list[Sample]:
+        return await self.agent.rollout(sample)
 
     async def aclose(self) -> None:
         server, self.server = self.server, None
