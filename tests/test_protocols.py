@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 
 from rlexp import protocols as P
+from rlexp.agents.environment import EnvironmentAgent, OpenEnvAgent
 from rlexp.agents.faulty import FaultyAgent
 from rlexp.agents.multiturn import MultiTurnAgent
 from rlexp.agents.openai_agent import OpenAIAgent
 from rlexp.agents.single_turn import SingleTurnAgent
 from rlexp.agents.tool import ToolAgent
+from rlexp.agents.verifiers_agent import VerifiersAgent
 from rlexp.cluster import Cluster, LocalCluster
 from rlexp.cluster.pool import RolloutPool
 from rlexp.cluster.ray_cluster import RayCluster
@@ -26,6 +28,7 @@ from rlexp.evaluator import Evaluator
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
 from rlexp.judges.math_exact import MathExactJudge, MultiTurnJudge
+from rlexp.judges.reasoning_gym import ReasoningGymJudge
 from rlexp.rollout.hf_engine import HFEngine
 from rlexp.rollout.vllm_engine import VLLMEngine
 from rlexp.schedulers.async_scheduler import AsyncScheduler
@@ -49,8 +52,10 @@ FITS = [
     *[(transport, W.WeightTransport) for transport in TRANSPORTS],
     (LocalCluster, Cluster), (RayCluster, Cluster),
     *[(agent, P.Agent) for agent in (SingleTurnAgent, MultiTurnAgent, ToolAgent, OpenAIAgent,
-                                      FaultyAgent, AgentGuard)],
-    *[(judge, P.Judge) for judge in (MathExactJudge, MultiTurnJudge, FaultyJudge, JudgeGuard)],
+                                      FaultyAgent, AgentGuard, EnvironmentAgent, OpenEnvAgent,
+                                      VerifiersAgent)],
+    *[(judge, P.Judge) for judge in (MathExactJudge, MultiTurnJudge, FaultyJudge, JudgeGuard,
+                                      ReasoningGymJudge)],
     (SyncScheduler, P.Scheduler), (AsyncScheduler, P.Scheduler),
     (TrainController, P.Trainer), (TrainerGroup, P.Trainer),
     (Evaluator, P.Evaluator), (MlflowTracker, P.Tracker),
@@ -182,8 +187,8 @@ if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit it
         return [a, b]
 
     def _agents(a: SingleTurnAgent, b: MultiTurnAgent, c: ToolAgent, d: OpenAIAgent, e: FaultyAgent,
-                f: AgentGuard) -> list[P.Agent]:
-        return [a, b, c, d, e, f]
+                f: AgentGuard, g: EnvironmentAgent, h: OpenEnvAgent, i: VerifiersAgent) -> list[P.Agent]:
+        return [a, b, c, d, e, f, g, h, i]
 
     def _judges(a: MathExactJudge, b: MultiTurnJudge, c: FaultyJudge, d: JudgeGuard) -> list[P.Judge]:
         return [a, b, c, d]
