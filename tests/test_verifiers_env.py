@@ -398,12 +398,10 @@ def test_worker_killed_mid_run_is_a_counted_failure(vllm):
                 await asyncio.sleep(0.05)
                 worker = agent.agent.worker
             os.kill(worker.pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            return results, time.monotonic() - t0
+            # a failsafe, not a threshold: the requests in flight end with the death (a hang raises)
+            return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 600)
 
-        results, seconds = vllm.run(kill_mid_run())
-        assert seconds < 30  # the requests in flight fail with the death, no hang
+        results = vllm.run(kill_mid_run())
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed and all(isinstance(r, EnvProcessError) and not isinstance(r, PROGRAMMING_ERRORS)
                               for r in failed)
