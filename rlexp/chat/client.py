@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +26,7 @@ from openai.types.completion import Completion
 from rlexp.chat import structured
 from rlexp.chat.images import ImagePrompts
 from rlexp.chat.render import encode
+from rlexp.chat.reply_end import TOOL_CALL, cut
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.chat.streaming import ChunkStream, Emit
@@ -36,8 +36,6 @@ from rlexp.protocols import RolloutEngine
 from rlexp.rollout.accounting import conversation
 from rlexp.sample import Generation, Sample, SamplingConfig
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     """Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
@@ -45,7 +43,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     A block that is not valid JSON still becomes a call (name "invalid"), so the agent can
     answer it with an error instead of losing the turn."""
     calls = []
-    for i, m in enumerate(_TOOL_CALL.finditer(text)):
+    for i, m in enumerate(TOOL_CALL.finditer(text)):
         try:
             body = json.loads(m.group(1))
             name, args = str(body["name"]), body.get("arguments", {})
@@ -54,7 +52,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
             name, arguments = "invalid", json.dumps({"raw": m.group(1)})
         calls.append({"id": f"call_{i}_{uuid.uuid4().hex[:8]}", "type": "function",
                       "function": {"name": name, "arguments": arguments}})
-    content = _TOOL_CALL.sub("", text).strip() if calls else text
+    content = TOOL_CALL.sub("", text).strip() if calls else text
     return content, calls
 
 
@@ -131,7 +129,7 @@ class SessionStore:
                                        top_logprobs=request.top_logprobs or 0)
         calls_allowed = bool(tools) and request.tool_choice != "none"
         # parallel_tool_calls=false: at most one call. A forced call is one already (its
-        # constraint); under "auto" the reply is cut after its first call (`_cut`).
+        # constraint); under "auto" the reply is cut after its first call (`rlexp/chat/reply_end.py`).
         one_call = calls_allowed and request.parallel_tool_calls is False and not request.forced_tools
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=True) if emit else None
         token_by_token = not calls_allowed and not request.stops
@@ -140,7 +138,7 @@ class SessionStore:
                 for i in range(request.n or 1)]
         choices: list[dict[str, Any]] = []
         for i, gen in enumerate(gens):  # no await from here on: all choices are recorded, or none
-            gen, text, cut = _cut(gen, self.tokenizer, request.stops, one_call, len(prompt.trace.tokens))
+            gen, text, was_cut = cut(gen, self.tokenizer, request.stops, one_call, len(prompt.trace.tokens))
             session.record(prompt, gen, sampling.requested())
             content, calls = parse_tool_calls(text) if calls_allowed else (text, [])
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -151,7 +149,8 @@ class SessionStore:
             # keyed by the reply as returned (a cut reply's text is shorter than its tokens'),
             # since that is what the client sends back.
             ids = gen.token_ids
-            if not cut and gen.finish_reason == "stop" and ids and ids[-1] in self.tokenizer.all_special_ids:
+            ends_on_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
+            if not was_cut and gen.finish_reason == "stop" and ends_on_special:
                 ids = ids[:-1]
             raw[_message_key(message)] = self.tokenizer.decode(ids, skip_special_tokens=False)
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
@@ -216,7 +215,7 @@ class SessionStore:
         for i in range(request.n or 1):
             gen = await self._generate_choice(ids, _nth(sampling, i), i, stream,
                                               not request.stops and request.logprobs is None)
-            gen, text, _ = _cut(gen, self.tokenizer, request.stops, False, len(ids))
+            gen, text, _ = cut(gen, self.tokenizer, request.stops, False, len(ids))
             choices.append({"index": i, "text": text, "token_ids": gen.token_ids,
                             "finish_reason": "length" if gen.finish_reason == "length" else "stop",
                             "logprobs": None if request.logprobs is None else self._completion_logprobs(gen)})
@@ -292,55 +291,6 @@ def _nth(sampling: SamplingConfig, i: int) -> SamplingConfig:
     if sampling.seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=(sampling.seed + i + 2**63) % 2**64 - 2**63)
-
-
-def _reply_end(text: str, stops: list[str], one_call: bool) -> int | None:
-    """Where the reply ends in `text` (None: it goes on): before its first stop string, or
-    after its first complete tool call (`one_call`), whichever comes first."""
-    ends = [text.index(s) for s in stops if s in text]
-    if one_call and (m := _TOOL_CALL.search(text)):
-        ends.append(m.end())
-    return min(ends, default=None)
-
-
-def _cut(gen: Generation, tokenizer, stops: list[str], one_call: bool, prompt_len: int
-         ) -> tuple[Generation, str, bool]:
-    """(the generation's tokens the reply keeps, the reply's text, whether it was cut).
-
-    A reply ends before its first `stop` string (the text excludes it, as OpenAI's does) or,
-    with `one_call` (parallel_tool_calls=false under tool_choice "auto"), right after its first
-    complete `<tool_call>...</tool_call>` (cut only when more than whitespace follows it: a
-    reply that ended there itself keeps its end token). The tokens kept are whole ones, up to
-    and including the one that completed the stop string or the call's closing markup: what
-    the policy generated, so the session records (and trains) exactly them with their
-    logprobs and versions, and the next turn, which writes them back as generated, extends
-    them. The rest of the generation is dropped: never returned, recorded or trained.
-
-    Cut after generation rather than stopped in the engine: vLLM's stop strings need its
-    detokenizer (rlexp's engines generate tokens only, `detokenize=False`), every engine
-    would have to implement them alike, and a reply interrupted by a weight update and
-    continued would have to match across the restart; cutting here is one rule for every
-    engine, streamed or not. The cost is the tokens generated past the end."""
-    ids = gen.token_ids
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    end = _reply_end(text, stops, one_call)
-    if end is None or (not any(s in text for s in stops) and not text[end:].strip()):
-        return gen, text, False
-
-    def ends(k: int) -> bool:
-        return _reply_end(tokenizer.decode(ids[:k], skip_special_tokens=True), stops, one_call) is not None
-
-    lo, hi = 1, len(ids)  # the fewest tokens whose text ends the reply (a prefix's text only grows)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ends(mid) else (mid + 1, hi)
-    text = tokenizer.decode(ids[:hi], skip_special_tokens=True)
-    text = text[:_reply_end(text, stops, one_call)]
-    routing = gen.routed_experts  # positions computed: the prompt's and the kept tokens', less the last
-    kept = Generation(ids[:hi], gen.logprobs[:hi], "stop", gen.versions[:hi],
-                      None if gen.top_logprobs is None else gen.top_logprobs[:hi],
-                      None if routing is None else routing[:prompt_len + hi - 1])
-    return kept, text, True
 
 
 class Recording:

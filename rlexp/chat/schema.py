@@ -242,7 +242,7 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # false: at most one call per reply (a forced call is one; under "auto" the reply ends after
-    # its first call, rlexp.chat.client._cut)
+    # its first call, rlexp/chat/reply_end.py)
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
