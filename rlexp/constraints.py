@@ -23,3 +23,5 @@ TopP = Annotated[float, Gt(0), Le(1)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # Ray placement: rollout and trainer on separate devices (split) or sharing them (colocate)
 Placement = Literal["split", "colocate"]
+# Ray's placement group strategies (cluster.strategy)
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]

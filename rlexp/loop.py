@@ -203,6 +203,10 @@ class RLLoop:
         self.tracker = tracker = build(self.cfg, "logger")
         # Before the run starts: a Ray cluster that cannot place the replicas is a config error.
         self.cluster = build_cluster(self.cfg)
+        readable = {"model_path": self.model_path}  # by every node the cluster placed work on
+        if resumed is not None and resumed.path is not None:
+            readable["resume"] = str(resumed.path)
+        self.cluster.check_readable(readable)
         if resumed is None:
             tracker.tags = tags
             sizes = derived(self.cfg)

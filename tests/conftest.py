@@ -8,6 +8,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Ray's token authentication, as a local ray.init() turns it on by default; set before Ray is
+# imported (it reads the mode once), so that this process can also join the multi-node
+# clusters of tests/ray_nodes.py, which use the same token (~/.ray/auth_token).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_steps=40,
                warm_start_batch_size=32, warm_start_lr=0.002, warm_start_target_accuracy=1.0,

@@ -1,18 +1,24 @@
-"""cluster=ray: the RolloutPool's routing, fan-out and fault handling (fake replicas), then
-a real local Ray with two vLLM replicas of the tiny model: weights reach every replica,
-a SIGKILLed replica is restarted with the current weights while its requests finish
-elsewhere."""
+"""cluster=ray: the RolloutPool's routing, fan-out and fault handling (fake replicas), then a
+real Ray cluster of three nodes on this host (tests/ray_nodes.py: a head with no CPUs, where
+this process connects, and two worker nodes) with a vLLM replica of the tiny model on each
+worker node: weights reach every replica, through Ray's object store across nodes too; a
+SIGKILLed replica is restarted on its node with the current weights while its requests
+finish elsewhere; a node that cannot read the model is named before anything starts; the
+ways of naming the cluster (cluster.address, RAY_ADDRESS, auto) join it."""
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from rlexp.cluster.pool import RolloutPool
-from rlexp.errors import EngineDead
+from rlexp.errors import ConfigError, EngineDead
 from rlexp.rollout.accounting import conversation, generated_tokens
 from rlexp.sample import Generation, SamplingConfig
 from tests.test_engines import TEMPERATURE, _max_logprob_diff, _prompts, _trainer
@@ -155,15 +161,29 @@ def test_with_every_replica_gone_for_good_the_run_stops():
     asyncio.run(main())
 
 
-# ---- a real local Ray: two vLLM replicas of the tiny model ------------------------------------
+# ---- a real Ray cluster of three nodes: a vLLM replica of the tiny model on each worker node ----
 @pytest.fixture(scope="module")
-def ray_pool(tiny_model_path):
+def nodes(tmp_path_factory):
+    from tests.ray_nodes import RayNodes
+
+    nodes = RayNodes(tmp_path_factory.mktemp("ray_nodes")).start()
+    try:
+        nodes.add_node(cpus=2)
+        nodes.add_node(cpus=2)
+        yield nodes
+    finally:
+        left = nodes.stop()
+    assert not left, left
+
+
+@pytest.fixture(scope="module")
+def ray_pool(nodes, tiny_model_path):
     from omegaconf import OmegaConf
 
     from rlexp.cluster.ray_cluster import RayCluster
     from rlexp.weights.ram_file import RamFileTransport
 
-    cluster = RayCluster(replicas=2, max_restarts=2)
+    cluster = RayCluster(address=nodes.address, replicas=2, max_restarts=2, strategy="SPREAD")
     rollout = OmegaConf.create({"_target_": "rlexp.rollout.vllm_engine.VLLMEngine", "seed": 0,
                                 "max_model_len": 256, "kv_cache_gb": 0.25, "max_num_seqs": 32,
                                 "weight_transfer_backend": None, "replicas": 2, "gpus_per_replica": 1})
@@ -217,12 +237,33 @@ def test_after_a_weight_update_every_replica_returns_the_trainers_logprobs(ray_p
     transport = RamFileTransport() if path == "ram_file" else ObjectStoreTransport()
     pool = _fresh(ray_pool)
     version = 3 if path == "ram_file" else 4
-    gens, diffs = _replica_check(pool, _trainer(tiny_model_path), tokenizer, transport, version)
+    trainer = _trainer(tiny_model_path)
+    gens, diffs = _replica_check(pool, trainer, tokenizer, transport, version)
     print(f"{path}: max |logprob(replica) - logprob(trainer)| per replica: {diffs}")
     assert max(diffs) < 1e-5, diffs
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]  # per-request seeds
     assert all(g.versions == [version] * len(g.token_ids) for r in gens for g in r)
     assert pool.version == version
+    # one replica per worker node, none on the driver's: the object crossed into both nodes' stores
+    replica_nodes = {node for node, _, _ in asyncio.run(_ready(pool))}
+    assert replica_nodes == set(ray_pool.replica_nodes) and len(replica_nodes) == 2
+    assert ray_pool.driver_node not in replica_nodes and ray_pool.multi_node
+    pulled = pool.pop_replica_metrics()
+    if path == "object_store":
+        from rlexp.weights.object_store import to_arrays
+
+        arrays = {id(a): a for _, a in to_arrays(trainer.weights()).values()}  # tied weights once
+        weight_bytes = sum(a.nbytes for a in arrays.values())
+        assert pulled["weights/object_store_nodes_pulled"] == 2
+        # Ray's size of the pickled arrays: the weights and a little framing per tensor
+        assert 2 * weight_bytes <= pulled["weights/object_store_bytes_pulled"] <= 2 * weight_bytes * 1.01
+        print(f"object_store: {pulled['weights/object_store_bytes_pulled']:.0f} bytes pulled by 2 nodes")
+    else:
+        assert "weights/object_store_bytes_pulled" not in pulled
+
+
+async def _ready(pool):
+    return await asyncio.gather(*(a.ready.remote() for a in pool.actors))
 
 
 @pytest.mark.ray
@@ -239,7 +280,7 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
 
     async def main():
         await transport.transfer(trainer.weights(), pool, 7)
-        _, pid, version = await pool.actors[0].ready.remote()
+        node, pid, version = await pool.actors[0].ready.remote()
         assert version == 7
         tasks = [asyncio.create_task(pool.generate(p, sampling)) for p in prompts]
         while not pool.in_flight[0]:
@@ -251,8 +292,9 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
         # the pool's recovery: Ray restarts the actor, the pool loads the current weights into it
         await asyncio.wait_for(asyncio.gather(*pool._recovering.values()), RESTART_FAILSAFE_S)
         assert pool._healthy[0], "the replica was not restarted"
-        _, new_pid, version = await pool.actors[0].ready.remote()
+        new_node, new_pid, version = await pool.actors[0].ready.remote()
         assert new_pid != pid and version == 7 and pool.restarts == [1, 0]
+        assert new_node == node  # restarted in its placement group's bundle, on the same node
         # the restarted replica serves the trainer's weights, not the model path's
         gens = await _per_replica(pool, _prompts(tokenizer), SamplingConfig(TEMPERATURE, 1.0, 12, 5))
         return [_max_logprob_diff(trainer, _prompts(tokenizer), g) for g in gens]
@@ -263,3 +305,74 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
         transport.close()
     print("after the restart, max |logprob diff| per replica:", diffs)
     assert max(diffs) < 1e-5, diffs
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+def test_a_node_that_cannot_read_the_model_is_named_before_anything_starts(nodes, ray_pool, tiny_model_path):
+    from rlexp.cluster.ray_cluster import RayCluster
+    from tests.ray_nodes import can_hide_directories
+
+    if not can_hide_directories():
+        pytest.skip("hiding the model from a node needs a mount namespace (unshare -m): not allowed here")
+    blind = nodes.add_node(cpus=1, hide=(Path(tiny_model_path),))
+    # one bundle per node with a free CPU: the two worker nodes (one CPU each is the pool's) and `blind`
+    cluster = RayCluster(address=nodes.address, replicas=3, strategy="STRICT_SPREAD")
+    with pytest.raises(ConfigError) as err:
+        cluster.check_readable({"model_path": tiny_model_path})
+    lines = str(err.value).splitlines()[1:]
+    # the node sees an empty directory there: every file of the model is missing
+    assert len(lines) == 1 and f"({blind}): model_path={tiny_model_path}: missing " in lines[0], lines
+    assert "config.json" in lines[0]
+    assert ray_pool.pool is not None  # the run's other placement groups were left alone
+
+
+def test_nothing_listening_at_the_address_is_a_config_error_before_ray_is_asked():
+    from rlexp.cluster.ray_connect import RayAddress, check_reachable
+    from tests.ray_nodes import free_port
+
+    port = free_port()
+    nothing = rf"cluster.address=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match=nothing):
+        check_reachable(RayAddress.resolve(f"127.0.0.1:{port}"))
+    with pytest.raises(ConfigError, match="not a Ray address"):
+        check_reachable(RayAddress.resolve("head-node"))
+
+
+def test_the_address_comes_from_the_config_then_ray_address_then_a_local_ray(monkeypatch):
+    from rlexp.cluster.ray_connect import RayAddress
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert RayAddress.resolve("auto").address == "auto"
+    joined = RayAddress.resolve(None)
+    assert joined == RayAddress("10.0.0.1:6379", "RAY_ADDRESS=10.0.0.1:6379 (cluster.address=null)")
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert RayAddress.resolve(None).address is None
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert RayAddress.resolve(None).address is None
+
+
+JOIN = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from rlexp.cluster.ray_cluster import RayCluster
+cluster = RayCluster(address=sys.argv[1] or None, replicas=1)
+print(cluster.params()["cluster.replica_nodes"], cluster.params()["cluster.driver_node"])
+cluster.shutdown()
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["RAY_ADDRESS", "auto"])
+def test_a_driver_on_a_cluster_node_joins_that_cluster(nodes, how):
+    """`cluster.address=null` with RAY_ADDRESS set (as `ray job submit` sets it), and
+    `cluster.address=auto` on a node of the cluster: the run joins it, and says so."""
+    env = os.environ | ({"RAY_ADDRESS": nodes.address} if how == "RAY_ADDRESS" else {})
+    res = subprocess.run([sys.executable, "-c", JOIN, "" if how == "RAY_ADDRESS" else "auto"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    source = f"RAY_ADDRESS={nodes.address}" if how == "RAY_ADDRESS" else "cluster.address=auto"
+    assert f"ray: joined the cluster at {nodes.address} ({source}" in res.stderr, res.stderr[-3000:]
+    assert f"{len(nodes)} node(s), {nodes.cpus} CPUs, 0 GPUs" in res.stderr, res.stderr[-3000:]
+    replica_node, driver_node = res.stdout.split()
+    assert replica_node != driver_node  # the head, where this driver connected, has no CPUs

@@ -30,6 +30,11 @@ class Cluster(ClusterShape, Protocol):
 
     def trainer(self, trainer: DictConfig, model_path: str) -> Trainer: ...
 
+    def check_readable(self, paths: dict[str, str]) -> None:
+        """A ConfigError unless every machine that will load them can read `paths` (name ->
+        path: the model, the checkpoint on resume)."""
+        ...
+
     def params(self) -> dict[str, Any]:
         """What the run logs about the cluster (`cluster.*` params)."""
         ...
@@ -81,6 +86,9 @@ class LocalCluster:
 
     def trainer(self, trainer: DictConfig, model_path: str) -> Trainer:
         return instantiate(trainer, model_path=model_path)
+
+    def check_readable(self, paths: dict[str, str]) -> None:
+        """This process already read them (preflight)."""
 
     def params(self) -> dict[str, Any]:
         import torch

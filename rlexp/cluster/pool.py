@@ -117,6 +117,7 @@ class RolloutPool:
         # How the current weights were loaded: a restarted replica runs it too
         self._reload: Callable[[Any], Awaitable[None]] | None = None
         self.sleeps = sleeps
+        self._pulled_bytes, self._pulled_nodes = 0, 0  # object-store syncs since the last report
 
     # ---- routing ---------------------------------------------------------------------
     def _pick(self, key: Any, excluded: set[int]) -> int | None:
@@ -277,6 +278,18 @@ class RolloutPool:
     async def load_weights_object(self, ref: Any, version: int) -> None:
         """From Ray's object store (ObjectStoreTransport): each replica's node pulls `ref`."""
         await self._update_weights(lambda a: a.load_weights_object.remote(ref, version), version)
+        self._count_pulled(ref)
+
+    def _count_pulled(self, ref: Any) -> None:
+        """The bytes of `ref` that crossed into other nodes' object stores, as Ray's own
+        object directory lists its copies."""
+        import ray
+        from ray.experimental import get_object_locations
+
+        where = get_object_locations([ref])[ref]
+        others = set(where["node_ids"]) - {ray.get_runtime_context().get_node_id()}
+        self._pulled_bytes += where["object_size"] * len(others)
+        self._pulled_nodes = len(others)
 
     async def load_weights_native(self, send: Callable[[EngineProcess], Awaitable[None]],
                                   version: int) -> None:
@@ -292,7 +305,8 @@ class RolloutPool:
     # ---- reporting -------------------------------------------------------------------
     def pop_replica_metrics(self) -> dict[str, float]:
         """Per replica, since the last call: generation speed while busy, requests, the most
-        in flight at once; restarts so far."""
+        in flight at once; restarts so far. With object-store syncs since the last call: the
+        bytes other nodes pulled, and how many nodes pulled them at the last one."""
         out: dict[str, float] = {}
         for i, meter in enumerate(self.replica_busy):
             busy0, tokens0 = self._reported[i]
@@ -306,6 +320,10 @@ class RolloutPool:
                 out[prefix + "tokens_per_s"] = tokens / busy
             self._requests[i] = 0
             self._peak[i] = self.in_flight[i]
+        if self._pulled_bytes:
+            out |= {"weights/object_store_bytes_pulled": float(self._pulled_bytes),
+                    "weights/object_store_nodes_pulled": float(self._pulled_nodes)}
+            self._pulled_bytes = 0
         return out
 
     def shutdown(self) -> None:

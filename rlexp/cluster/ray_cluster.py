@@ -1,9 +1,12 @@
 """`cluster=ray`: the rollout engines, and the trainer's ranks when `trainer.workers` > 1,
 as Ray actors placed by placement groups.
 
-    ray.init()                    a local Ray (cluster.address=null), stopped with the run
+    cluster.address=null          RAY_ADDRESS when set, else a local Ray stopped with the run
     cluster.address=auto          join the Ray cluster this node belongs to (`ray start`)
+    cluster.address=host:6379     join the cluster whose head listens there
     cluster.address=ray://h:10001 join a remote cluster through Ray Client
+(rlexp/cluster/ray_connect.py). Before any replica or rank starts, every node that holds one
+of the run's bundles must read the model (and the checkpoint on resume): `check_readable`.
 
 Placement (`placement=split|colocate`, one bundle per rollout replica):
     split     each replica's actor takes its whole bundle (`cluster.cpus_per_replica` CPUs,
@@ -15,7 +18,8 @@ Placement (`placement=split|colocate`, one bundle per rollout replica):
 The trainer: with `trainer.workers: 1` it trains in this process (on GPU with split: the
 last GPU). With more, a TrainerGroup (rlexp/cluster/trainer_group.py): one bundle per rank
 (`cluster.cpus_per_trainer_worker` CPUs, one GPU on GPU clusters) in a second placement
-group, packed onto as few nodes as fit.
+group. Both groups use `cluster.strategy`: PACK (as few nodes as fit), SPREAD (over as many
+nodes as possible), or Ray's STRICT_ variants.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from rlexp.cluster import engine_spec
+from rlexp.cluster import engine_spec, ray_connect
+from rlexp.cluster.node_check import check_nodes_read
 from rlexp.cluster.pool import EngineReplica, RolloutPool
-from rlexp.constraints import AtLeast0, AtLeast1, Placement, Positive
+from rlexp.constraints import AtLeast0, AtLeast1, Placement, PlacementStrategy, Positive
 from rlexp.errors import ConfigError, EngineDead
 from rlexp.rollout import reaper
 from rlexp.sample import SamplingConfig
@@ -48,19 +53,19 @@ class RayCluster:
                  address: str | None = None, num_cpus: AtLeast1 | None = None,
                  cpus_per_replica: Positive = 1.0, max_restarts: AtLeast0 = 3,
                  ready_timeout_s: Positive = 600.0, trainer_workers: AtLeast1 = 1,
-                 cpus_per_trainer_worker: Positive = 1.0):
+                 cpus_per_trainer_worker: Positive = 1.0, strategy: PlacementStrategy = "PACK"):
         import ray
-        from ray.util.placement_group import placement_group_table
 
         self.replicas, self.placement = replicas, placement
         self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
-        self.trainer_workers = trainer_workers
+        self.trainer_workers, self.strategy = trainer_workers, strategy
+        where = ray_connect.RayAddress.resolve(address)
         self._owns_ray = not ray.is_initialized()
         self._reaper: Any = None  # the process that takes down what ray.init started
         num_gpus = None
         driver_trains = trainer_workers == 1
-        if address is None and placement == "split" and torch.cuda.device_count() > 0 and driver_trains:
+        if where.address is None and placement == "split" and torch.cuda.device_count() > 0 and driver_trains:
             # A local Ray gets every GPU but the last, which the trainer (this process) trains on.
             if torch.cuda.device_count() < 2:
                 raise ConfigError("placement=split puts rollout and trainer on separate GPUs: this "
@@ -68,11 +73,11 @@ class RayCluster:
             num_gpus = torch.cuda.device_count() - 1
             torch.cuda.set_device(num_gpus)
         if self._owns_ray:
-            if address is None and num_cpus is None:  # logical CPUs, for placement: may oversubscribe
+            if where.address is None and num_cpus is None:  # logical CPUs, for placement: may oversubscribe
                 num_cpus = max(os.cpu_count() or 1, math.ceil(
                     replicas * cpus_per_replica + (trainer_workers * cpus_per_trainer_worker
                                                    if trainer_workers > 1 else 0)))
-            self._start_ray(address, num_cpus, num_gpus)
+            self._start_ray(where, num_cpus, num_gpus)
         resources = ray.cluster_resources()
         self.gpu = resources.get("GPU", 0) > 0
         self.bundle = {"CPU": cpus_per_replica} | ({"GPU": gpus_per_replica} if self.gpu else {})
@@ -80,24 +85,21 @@ class RayCluster:
         trainer_bundles = trainer_workers if trainer_workers > 1 else 0
         self._check_fits(resources, trainer_bundles)
         self._place(trainer_bundles)
-        self.nodes = sorted(set(placement_group_table(self.pg)["bundles_to_node_id"].values()))
+        self.replica_nodes = _bundle_nodes(self.pg)
+        self.trainer_nodes = _bundle_nodes(self.trainer_pg) if self.trainer_pg is not None else []
+        self.nodes = sorted(set(self.replica_nodes))
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.multi_node = self.nodes != [self.driver_node]
         self.pool: RolloutPool | None = None
         self.group: Any = None
-        log.info("ray: %s; %d rollout bundle(s) of %s on %d node(s), placement=%s",
-                 "started a local Ray" if self._owns_ray and address is None else f"joined {address}",
-                 replicas, self.bundle, len(self.nodes), placement)
+        log.info("ray: %s", ray_connect.describe(where))
+        log.info("ray: %d rollout bundle(s) of %s on node(s) %s, placement=%s, strategy=%s; the driver "
+                 "on %s", replicas, self.bundle, _short(self.replica_nodes), placement, strategy,
+                 _short([self.driver_node])[0])
 
-    def _start_ray(self, address: str | None, num_cpus: int | None, num_gpus: int | None) -> None:
-        import ray
-
+    def _start_ray(self, where: ray_connect.RayAddress, num_cpus: int | None, num_gpus: int | None) -> None:
         before = reaper.snapshot()
-        # "local": a new Ray for this run even where RAY_ADDRESS or a `ray start` says otherwise
-        own = address is None
-        ray.init(address=address or "local", num_cpus=num_cpus if own else None,
-                 num_gpus=num_gpus if own else None, include_dashboard=False,
-                 logging_level=logging.WARNING)
+        ray_connect.init(where, num_cpus, num_gpus)
         # A local Ray's GCS and raylet die with this process, but its dashboard and
         # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
         # down every process ray.init started (the actors go with their raylet).
@@ -132,11 +134,11 @@ class RayCluster:
         import ray
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([dict(self.bundle) for _ in range(self.replicas)], strategy="PACK")
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.replicas)], strategy=self.strategy)
         self.trainer_pg = None
         if trainer_bundles:
             self.trainer_pg = placement_group([dict(self.trainer_bundle) for _ in range(trainer_bundles)],
-                                              strategy="PACK")
+                                              strategy=self.strategy)
         try:
             for pg in (self.pg, self.trainer_pg):
                 if pg is not None:
@@ -145,7 +147,17 @@ class RayCluster:
             self.shutdown()
             raise ConfigError(f"the Ray cluster could not place {self.replicas} bundles of {self.bundle}"
                               + (f" and {trainer_bundles} of {self.trainer_bundle}" * bool(trainer_bundles))
-                              + f" within {self.ready_timeout_s:g}s: {e}") from e
+                              + f" with strategy={self.strategy} within {self.ready_timeout_s:g}s: {e}"
+                              ) from e
+
+    def check_readable(self, paths: dict[str, str]) -> None:
+        """Every node holding one of the run's bundles can read `paths` (node_check.py)."""
+        try:
+            nodes = sorted(set(self.replica_nodes + self.trainer_nodes))
+            check_nodes_read(paths, nodes, self.ready_timeout_s)
+        except ConfigError:
+            self.shutdown()
+            raise
 
     def _actor_share(self) -> dict[str, float]:
         """What one replica's actor takes of its bundle."""
@@ -172,7 +184,8 @@ class RayCluster:
             for a in actors:
                 ray.kill(a, no_restart=True)
             raise EngineDead(f"a rollout replica failed to start: {e}") from e
-        log.info("ray: %d rollout replica(s) up (pids %s)", len(actors), [pid for _, pid, _ in infos])
+        log.info("ray: %d rollout replica(s) up: %s", len(actors),
+                 ", ".join(f"pid {pid} on node {node[:8]}" for node, pid, _ in infos))
         keys = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_response_tokens",
                 "seed": "seed"}  # SamplingConfig's defaults fill what the rollout config leaves out
         sampling = SamplingConfig(**{field: spec[key] for field, key in keys.items() if key in spec})
@@ -198,7 +211,8 @@ class RayCluster:
         address, port, _ = endpoints[0]
         self.group = TrainerGroup(actors, [pid for _, _, pid in endpoints])
         self.group._all("setup", address, port, spec, model_path)
-        log.info("ray: trainer group of %d rank(s) up (pids %s)", len(actors), self.group.pids)
+        log.info("ray: trainer group of %d rank(s) up: %s", len(actors), ", ".join(
+            f"pid {pid} on node {node[:8]}" for pid, node in zip(self.group.pids, self.trainer_nodes)))
         return self.group
 
     def params(self) -> dict[str, Any]:
@@ -207,9 +221,12 @@ class RayCluster:
         resources = ray.cluster_resources()
         params = {"cluster.nodes": len(self.nodes), "cluster.gpus": int(resources.get("GPU", 0)),
                   "cluster.cpus": resources.get("CPU", 0), "cluster.rollout_bundle": str(self.bundle),
-                  "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0))}
+                  "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0)),
+                  "cluster.driver_node": _short([self.driver_node])[0],
+                  "cluster.replica_nodes": ",".join(_short(self.replica_nodes))}
         if self.trainer_pg is not None:
             params["cluster.trainer_bundle"] = str(self.trainer_bundle)
+            params["cluster.trainer_nodes"] = ",".join(_short(self.trainer_nodes))
         return params
 
     def shutdown(self) -> None:
@@ -229,3 +246,16 @@ class RayCluster:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         reaper.stop(self.__dict__.pop("_reaper", None))
+
+
+def _bundle_nodes(pg: Any) -> list[str]:
+    """The node id of each of `pg`'s bundles, in bundle order (the pg is ready)."""
+    from ray.util.placement_group import placement_group_table
+
+    placed = placement_group_table(pg)["bundles_to_node_id"]
+    return [placed[i] for i in range(len(placed))]
+
+
+def _short(node_ids: list[str]) -> list[str]:
+    """Node ids as Ray's CLI shows them in one line: their first 8 hex digits."""
+    return [n[:8] for n in node_ids]
