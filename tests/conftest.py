@@ -96,3 +96,19 @@ def vllm_on_thread(model_path: str, failsafe_s: float, **engine_kwargs):
         engine.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    """A Ray cluster of three nodes on this host (tests/ray_nodes.py): a head with no CPUs,
+    where a driver started here connects, and two worker nodes of 2 CPUs."""
+    from tests.ray_nodes import RayNodes
+
+    nodes = RayNodes(tmp_path_factory.mktemp("ray_nodes")).start()
+    try:
+        nodes.add_node(cpus=2)
+        nodes.add_node(cpus=2)
+        yield nodes
+    finally:
+        left = nodes.stop()
+    assert not left, left

@@ -163,20 +163,6 @@ def test_with_every_replica_gone_for_good_the_run_stops():
 
 # ---- a real Ray cluster of three nodes: a vLLM replica of the tiny model on each worker node ----
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    from tests.ray_nodes import RayNodes
-
-    nodes = RayNodes(tmp_path_factory.mktemp("ray_nodes")).start()
-    try:
-        nodes.add_node(cpus=2)
-        nodes.add_node(cpus=2)
-        yield nodes
-    finally:
-        left = nodes.stop()
-    assert not left, left
-
-
-@pytest.fixture(scope="module")
 def ray_pool(nodes, tiny_model_path):
     from omegaconf import OmegaConf
 

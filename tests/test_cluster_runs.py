@@ -1,8 +1,13 @@
-"""Whole runs with cluster=ray (a local Ray, two vLLM replicas of the tiny model, a trainer
-group of two FSDP2 ranks) against cluster=local: the same training, per-replica and per-rank
-metrics in MLflow; a multi-turn async PPO run whose trainer worker is SIGKILLed (the run
-stops with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
-behind), resumed with two: every step logged once, the critic's too."""
+"""Whole runs with cluster=ray against cluster=local.
+
+- Submitted with `ray job submit` to a Ray cluster of three nodes on this host (a head with no
+  CPUs, two worker nodes: tests/ray_nodes.py), two vLLM replicas of the tiny model and a
+  trainer group of two FSDP2 ranks spread over the worker nodes, the weights crossing into
+  their object stores after every step: the same training as one process, per-replica and
+  per-rank metrics in MLflow.
+- On a local Ray: a multi-turn async PPO run whose trainer worker is SIGKILLed (the run stops
+  with the resume hint), resumed with one worker, its driver SIGKILLed (no process left
+  behind), resumed with two: every step logged once, the critic's too."""
 
 import contextlib
 import os
@@ -16,11 +21,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.ray_nodes import VENV_BIN
 from tests.test_resume import _resume_cmd, _run, _start, _steps, _wait_for
 from tests.test_run import _history, _traces
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
-RAY = ("cluster=ray", "rollout.replicas=2", "trainer.workers=2")
+# cluster.address stays null: the job's RAY_ADDRESS names the cluster (docs/ray.md's recipe)
+RAY = ("cluster=ray", "rollout.replicas=2", "trainer.workers=2", "cluster.strategy=SPREAD")
 STEPS = 3  # keeps the suite short; docs/results.md has the 100-step curves
 
 
@@ -52,10 +59,13 @@ def _finish(cmd, log, timeout=1200):
     assert rc == 0, Path(log).read_text()[-4000:]
 
 
-def _open(tmp_path, models, *overrides, steps=STEPS):
+def _open(tmp_path, models, *overrides, steps=STEPS, submit_to=None):
+    """A run to its end, and its MLflow run; `submit_to`: as a job of that Ray cluster."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    _finish(_cmd(tmp_path, tmp_path / "out", models, f"trainer.total_steps={steps}", *overrides),
-            tmp_path / "run.log")
+    cmd = _cmd(tmp_path, tmp_path / "out", models, f"trainer.total_steps={steps}", *overrides)
+    if submit_to is not None:
+        cmd = [str(VENV_BIN / "ray"), "job", "submit", f"--address={submit_to.dashboard}", "--", *cmd]
+    _finish(cmd, tmp_path / "run.log")
     return _run(tmp_path)
 
 
@@ -73,11 +83,16 @@ DRIFT = {"train/loss": 1e-6, "train/grad_norm": 1e-5, "train/entropy": 1e-5, "tr
 TRACE_ROUNDING = 1e-6  # traces keep logprobs to 6 decimals
 
 
-def test_two_replicas_and_two_ranks_train_like_one_engine_and_one_process(tmp_path, models):
-    """Sync scheduler, same seed, local vs 2 replicas and 2 trainer ranks: every step samples
-    the same tokens; rollout and eval histories are identical, the trainer's within DRIFT."""
+def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_process(tmp_path, models,
+                                                                                      nodes):
+    """Sync scheduler, same seed, local vs 2 replicas and 2 trainer ranks on the two worker
+    nodes (a `ray job submit`): every step samples the same tokens after each sync through
+    the object store; rollout and eval histories are identical, the trainer's within DRIFT."""
     local = _open(tmp_path / "local", models)
-    ray = _open(tmp_path / "ray", models, *RAY)
+    ray = _open(tmp_path / "ray", models, *RAY, submit_to=nodes)
+    job_log = (tmp_path / "ray" / "run.log").read_text()
+    assert f"ray: joined the cluster at {nodes.address} (RAY_ADDRESS={nodes.address}" in job_log
+    assert "weight_transfer=auto: ObjectStoreTransport" in job_log
     for step in range(1, STEPS + 1):
         a, b = _traces(*local, step), _traces(*ray, step)
         assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b], step
@@ -92,7 +107,18 @@ def test_two_replicas_and_two_ranks_train_like_one_engine_and_one_process(tmp_pa
         assert len(la) == len(lb) == STEPS and la != [0.0] * STEPS, key
         assert lb == pytest.approx(la, rel=rel, abs=1e-6), key
     client, run = ray
-    assert run.data.params["cluster.nodes"] == "1" and run.data.params["rollout.replicas"] == "2"
+    params = run.data.params
+    replica_nodes = params["cluster.replica_nodes"].split(",")
+    trainer_nodes = params["cluster.trainer_nodes"].split(",")
+    print("driver", params["cluster.driver_node"], "replicas", replica_nodes, "ranks", trainer_nodes)
+    assert len(set(replica_nodes)) == 2 and set(trainer_nodes) == set(replica_nodes)  # one of each per node
+    assert params["cluster.driver_node"] not in replica_nodes  # the head has no CPUs
+    assert params["cluster.nodes"] == "2" and params["rollout.replicas"] == "2"
+    # after every step's fit, both worker nodes pulled the new weights into their object stores
+    assert _history(client, run, "weights/object_store_nodes_pulled") == [2.0] * STEPS
+    pulled = _history(client, run, "weights/object_store_bytes_pulled")
+    assert len(pulled) == STEPS and len(set(pulled)) == 1 and pulled[0] > 0
+    print(f"object store: {pulled[0]:.0f} bytes pulled across nodes per sync")
     assert run.data.params["placement"] == "split" and run.data.params["trainer.workers"] == "2"
     assert "cluster.trainer_bundle" in run.data.params
     for rank in (0, 1):  # each trainer rank's peak memory, every step
