@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mlflow import MlflowClient
 
 from tests.ray_nodes import VENV_BIN
 from tests.test_resume import _resume_cmd, _run, _start, _steps, _wait_for
@@ -60,13 +61,21 @@ def _finish(cmd, log, timeout=1200):
 
 
 def _open(tmp_path, models, *overrides, steps=STEPS, submit_to=None):
-    """A run to its end, and its MLflow run; `submit_to`: as a job of that Ray cluster."""
+    """A run to its end, and its MLflow run. `submit_to`: a sweep of that one run submitted as
+    a job of that Ray cluster (docs/sweeps.md "Sweeps on a Ray cluster"); its child run."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = _cmd(tmp_path, tmp_path / "out", models, f"trainer.total_steps={steps}", *overrides)
-    if submit_to is not None:
-        cmd = [str(VENV_BIN / "ray"), "job", "submit", f"--address={submit_to.dashboard}", "--", *cmd]
-    _finish(cmd, tmp_path / "run.log")
-    return _run(tmp_path)
+    if submit_to is None:
+        _finish(cmd, tmp_path / "run.log")
+        return _run(tmp_path)
+    cmd[3:3] = ["-m", f"hydra.sweep.dir={tmp_path}/sweep"]  # after `python -m rlexp.run`
+    _finish([str(VENV_BIN / "ray"), "job", "submit", f"--address={submit_to.dashboard}", "--", *cmd],
+            tmp_path / "run.log")
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)  # the child and its parent
+    return client, child
 
 
 # Identical through 2 replicas and 2 trainer ranks: the replica that serves a request does not
