@@ -16,9 +16,26 @@ The run cannot usefully go on (it stops with the reason and the resume command):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hydra.errors import InstantiationException
+
 
 class ConfigError(ValueError):
     """A bad config value, reported as one line before anything expensive starts."""
+
+
+@contextmanager
+def config_error_unwrapped() -> Iterator[None]:
+    """Around Hydra's `instantiate`: a ConfigError that a `_target_` raises (wrapped by Hydra in
+    an InstantiationException) reaches the user as its own one line."""
+    try:
+        yield
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
 
 
 class SessionError(ValueError):

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
@@ -38,7 +37,13 @@ from rlexp.checkpoint import RunState
 from rlexp.cluster import build_cluster
 from rlexp.config import derived
 from rlexp.data.manager import DataManager
-from rlexp.errors import ConfigError, EngineDead, ProgrammingError, RunStopped, TrainerDead
+from rlexp.errors import (
+    EngineDead,
+    ProgrammingError,
+    RunStopped,
+    TrainerDead,
+    config_error_unwrapped,
+)
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
@@ -66,12 +71,8 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
     guard_args = spec.pop("guard", None) or {}
     injected = f" (+ {', '.join(k for k in runtime if not k.startswith('_'))})" if runtime else ""
     log.info("building %-16s %s%s, guard %s", group, spec["_target_"], injected, guard_args)
-    try:
+    with config_error_unwrapped():  # a component that refuses its arguments: its one line
         component = instantiate(spec, **runtime)
-    except InstantiationException as e:  # a component that refuses its arguments: its one line
-        if isinstance(e.__cause__, ConfigError):
-            raise e.__cause__ from None
-        raise
     return guard(component, **guard_args)
 
 

@@ -30,7 +30,7 @@ from rlexp.chat.render import encode, render_chat
 from rlexp.config import validate, validate_data, validate_lengths
 from rlexp.data.hub import snapshot_commit
 from rlexp.data.manager import DataManager
-from rlexp.errors import ConfigError
+from rlexp.errors import ConfigError, config_error_unwrapped
 from rlexp.evaluator import Evaluator
 from rlexp.sample import split_images
 from rlexp.tools import tool_specs
@@ -87,12 +87,8 @@ def _model_path(cfg: DictConfig) -> str:
     """The model's directory from its `_target_` (model=local resolves a hub id here, once, on
     the driver); a ConfigError it raises (a missing directory, a hub id not in the cache offline)
     reaches the user as its one line."""
-    try:
+    with config_error_unwrapped():
         return instantiate(cfg.model)
-    except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):
-            raise e.__cause__ from None
-        raise
 
 
 def check_lengths(cfg: DictConfig, inputs: Inputs, tokenizer) -> None:

@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from rlexp.constraints import AtLeast1, Placement
+from rlexp.errors import config_error_unwrapped
 from rlexp.protocols import RolloutEngine, Trainer
 from rlexp.weights.protocols import ClusterShape, WeightTransport
 
@@ -63,7 +64,8 @@ def build_cluster(cfg: DictConfig) -> Cluster:
     node = cfg.get("cluster")
     if node is None:
         return LocalCluster(**owned)
-    return instantiate(node, **owned)
+    with config_error_unwrapped():  # a cluster that cannot be joined or placed: its one line
+        return instantiate(node, **owned)
 
 
 class LocalCluster:
