@@ -1,6 +1,7 @@
 # make run   - create .venv (first time) and run the default experiment
 # make test  - create .venv (first time), check the pins, lint (ruff, mypy), run the whole test suite
 # make envs  - the environment libraries' own venvs (.venv-verifiers, .venv-openenv; make test needs them)
+# make slurm - SLURM and munge from apt, for the one-node SLURM of the launcher tests (make test runs it)
 # make lock  - re-resolve the pins (requirements/*.in -> requirements/*.txt)
 # make docs  - serve the docs site on http://127.0.0.1:8000 (make test builds it --strict)
 # make ui    - open the MLflow UI on this directory's runs
@@ -10,8 +11,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ENVS   := verifiers openenv
 ENV_STAMPS := $(foreach e,$(ENVS),.venv-$(e)/.installed)
+SLURM_STAMP := .cache/slurm.installed
 
-.PHONY: install envs run test pins lint lock browser docs docs-check ui bench clean
+.PHONY: install envs slurm run test pins lint lock browser docs docs-check ui bench clean
 
 $(STAMP): scripts/install.sh pyproject.toml requirements/cpu.txt requirements/gpu.txt
 	bash scripts/install.sh
@@ -25,6 +27,14 @@ install: $(STAMP)
 	touch $@
 
 envs: $(ENV_STAMPS)
+
+# The script touches the stamp only once the packages are installed (not as a non-root user:
+# then the SLURM tests skip, and the next make asks again). As with `browser`, a failed install
+# stops `make test` only under CI.
+$(SLURM_STAMP): scripts/install_slurm.sh
+	bash scripts/install_slurm.sh $@ || { [ -z "$$CI" ] && echo "SLURM not installed: the SLURM launcher tests will be skipped"; }
+
+slurm: $(SLURM_STAMP)
 
 run: $(STAMP)
 	$(PY) -m rlexp.run
@@ -41,7 +51,7 @@ pins: $(STAMP)
 lock:
 	bash scripts/lock.sh
 
-test: pins lint docs-check browser envs
+test: pins lint docs-check browser envs slurm
 	$(PY) -m pytest
 
 # Headless Chromium for the MLflow UI test. Without it that test is skipped, except under CI

@@ -129,6 +129,7 @@ def test_launching_a_sweep_dir_again_reuses_its_parent(tmp_path):
                       return_hydra_config=True)
     for _ in range(2):
         SweepCallback().on_multirun_start(cfg)
+        SweepCallback().on_multirun_end(cfg)
     info = json.loads((tmp_path / "sweep" / "rlexp_sweep.json").read_text())
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
     runs = client.search_runs([client.get_experiment_by_name("x").experiment_id])
@@ -235,3 +236,4 @@ def test_mlflow_ui_in_a_real_browser_charts_every_child_run(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
     assert "4/4 child runs drawn in the eval/accuracy chart" in res.stdout
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    SweepCallback().on_multirun_end(cfg)  # else its parent run is closed at exit, as a stopped sweep's

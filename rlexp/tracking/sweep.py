@@ -2,13 +2,18 @@
 
 The Hydra callback creates (or, for a sweep dir that already has one, reuses) the parent
 run before any job starts and writes `rlexp_sweep.json` into the sweep dir; each job reads
-it to nest its run under the parent and to name itself by what differs between jobs."""
+it to nest its run under the parent and to name itself by what differs between jobs.
+With hydra/launcher=slurm it first checks that SLURM answers."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +29,8 @@ SWEEP_FILE = "rlexp_sweep.json"
 SWEEP_TAG = "rlexp.sweep_id"
 SHARED_VIEW = "mlflow.sharedViewState."  # + key: a runs-page view state (MLflow UI's Share button)
 SWEEP_FUNCTIONS = ("range(", "choice(", "glob(", "interval(", "tag(", "sort(", "shuffle(")
+SLURM_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+SLURM_PING_S = 10  # scontrol retries a missing slurm.conf for 60 s: bound the check
 
 
 def varying_keys(overrides: list[str], sweeper_params: dict | None) -> list[str]:
@@ -99,8 +106,52 @@ def save_compare_view(client: MlflowClient, exp_id: str, parent_id: str, group_b
             "&workflowType=machine_learning")
 
 
+def _first_line(out: str | bytes | None) -> str:
+    text = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+    return (text.strip().splitlines() or [""])[0]
+
+
+def slurm_unreachable() -> str | None:
+    """Why SLURM cannot take jobs from here (None: it can): its commands are not on PATH, or
+    its controller does not answer `scontrol ping`."""
+    missing = [c for c in ("sbatch", "srun", "scontrol") if shutil.which(c) is None]
+    if missing:
+        return f"{', '.join(missing)} not on PATH (no SLURM client on this machine)"
+    try:
+        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_S)
+    except subprocess.TimeoutExpired as e:  # its output so far is bytes, text=True or not
+        return f"scontrol ping did not answer in {SLURM_PING_S} s: {_first_line(e.stderr)}"
+    if ping.returncode != 0:
+        return f"its controller does not answer (scontrol ping: {_first_line(ping.stdout + ping.stderr)})"
+    return None
+
+
+def close_sweep(sweep_dir: Path, stopped: bool = False) -> bool:
+    """Close the sweep's parent run, FINISHED or FAILED, and print the sweep's summary; True when
+    every job finished. `stopped`: the launcher stopped before every job reported back (Ctrl-C,
+    or it raised), so the parent is FAILED and a job listed RUNNING may still run on a cluster."""
+    info = read_sweep(sweep_dir)
+    if info is None:
+        return True
+    client = _mlflow_client(info["tracking_uri"])
+    children = client.search_runs([info["experiment_id"]],
+                                  f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")
+    failed = [c.info.run_name + ("" if c.info.status == "FAILED" else f" ({c.info.status})")
+              for c in children if c.info.status != "FINISHED"]
+    client.set_terminated(info["parent_run_id"], status="FAILED" if failed or stopped else "FINISHED")
+    print(f"rlexp: sweep {sweep_dir}" + (" stopped before every job reported" if stopped else "")
+          + f": {len(children) - len(failed)} job(s) finished"
+          + (f", {len(failed)} failed: {', '.join(failed)}" if failed else "")
+          + f"\n  compare: python -m rlexp.compare {sweep_dir}"
+          + f"\n  in the MLflow UI (make ui): http://127.0.0.1:5000{info.get('compare_view', '')}")
+    return not (failed or stopped)
+
+
 class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if config.hydra.launcher.get("_target_") == SLURM_LAUNCHER and (why := slurm_unreachable()):
+            print(f"rlexp: hydra/launcher=slurm: {why}; no job submitted", file=sys.stderr)
+            raise SystemExit(2)  # before the parent run: nothing to clean up
         sweep_dir = Path(config.hydra.sweep.dir).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client, exp_id = _client(config)
@@ -129,22 +180,14 @@ class SweepCallback(Callback):
                  "sweep_id": sweep_id, "varying": varying, "started": time.time(),
                  "jobs": count_jobs(list(config.hydra.overrides.task), params), "compare_view": view}
         (sweep_dir / SWEEP_FILE).write_text(json.dumps(info, indent=1))
+        # Hydra skips on_multirun_end when the launcher raises (submitit does when sacct reports
+        # a job that died without its result file) or is stopped by Ctrl-C (without sacct,
+        # submitit waits for such a job until then): the sweep is closed at exit instead.
+        atexit.register(close_sweep, sweep_dir, stopped=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir).resolve()
-        info = read_sweep(sweep_dir)
-        if info is None:
-            return
-        client = _mlflow_client(info["tracking_uri"])
-        children = client.search_runs([info["experiment_id"]],
-                                      f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")
-        failed = [c.info.run_name for c in children if c.info.status != "FINISHED"]
-        client.set_terminated(info["parent_run_id"], status="FAILED" if failed else "FINISHED")
-        print(f"rlexp: sweep {sweep_dir}: {len(children) - len(failed)} job(s) finished"
-              + (f", {len(failed)} failed: {', '.join(failed)}" if failed else "")
-              + f"\n  compare: python -m rlexp.compare {sweep_dir}"
-              + f"\n  in the MLflow UI (make ui): http://127.0.0.1:5000{info.get('compare_view', '')}")
-        if failed:
+        atexit.unregister(close_sweep)
+        if not close_sweep(Path(config.hydra.sweep.dir).resolve()):
             raise SystemExit(1)  # every job ran; the sweep as a whole did not succeed
 
 
