@@ -24,8 +24,9 @@ from hydra import compose, initialize_config_dir
 from rlexp.agents.environment import EnvironmentAgent, OpenEnvAgent
 from rlexp.chat.client import parse_tool_calls
 from rlexp.config import check_arguments
-from rlexp.envs import openenv
-from rlexp.envs.openenv import OpenEnvEnvironment, OpenEnvServer, shared_server
+from rlexp.envs import openenv_server, openenv_session
+from rlexp.envs.openenv import OpenEnvEnvironment
+from rlexp.envs.openenv_server import OpenEnvServer, shared_server
 from rlexp.errors import ConfigError, JudgeError
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.math_exact import MathExactJudge
@@ -267,7 +268,7 @@ def guess_server(openenv_python):
     """The module's OpenEnv server (agents built with the same settings share it)."""
     server = shared_server(GUESS, openenv_python, **SERVER_KW)
     yield server
-    openenv.release(server)
+    openenv_server.release(server)
     assert server.proc is None
 
 
@@ -290,7 +291,9 @@ class Episodes:
 
     def __init__(self, monkeypatch):
         self.now = self.most = self.total = self.connections = 0
-        reset, close, open_ = OpenEnvEnvironment.reset, OpenEnvEnvironment.close, openenv.OpenEnvSession.open
+        reset = OpenEnvEnvironment.reset
+        close = OpenEnvEnvironment.close
+        open_ = openenv_session.OpenEnvSession.open
 
         async def counted_reset(env, **row):
             observation = await reset(env, **row)  # it holds a session from here on
@@ -308,7 +311,7 @@ class Episodes:
 
         monkeypatch.setattr(OpenEnvEnvironment, "reset", counted_reset)
         monkeypatch.setattr(OpenEnvEnvironment, "close", counted_close)
-        monkeypatch.setattr(openenv.OpenEnvSession, "open", counted_open)
+        monkeypatch.setattr(openenv_session.OpenEnvSession, "open", counted_open)
 
 
 class SlowEngine(ScriptedEngine):
@@ -423,7 +426,7 @@ def test_a_server_killed_mid_run_fails_the_rollouts_it_held_then_restarts(tokeni
 
 CHILD = """
 import sys, time
-from rlexp.envs.openenv import OpenEnvServer
+from rlexp.envs.openenv_server import OpenEnvServer
 server = OpenEnvServer(sys.argv[1], sys.argv[2])
 server.start()
 print(server.proc.pid, flush=True)

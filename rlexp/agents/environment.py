@@ -50,7 +50,9 @@ from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
-from rlexp.envs.openenv import OpenEnvEnvironment, OpenEnvError, OpenEnvServer, release, shared_server
+from rlexp.envs.openenv import OpenEnvEnvironment
+from rlexp.envs.openenv_server import OpenEnvServer, release, shared_server
+from rlexp.envs.openenv_session import OpenEnvError
 from rlexp.errors import ConfigError, JudgeError
 from rlexp.protocols import Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig

@@ -1,5 +1,5 @@
 """Serve one OpenEnv environment with OpenEnv's own server (`create_app`: HTTP, `/ws`
-sessions, `/schema`, `/health`) under uvicorn. Run by rlexp (rlexp/envs/openenv.py) as a
+sessions, `/schema`, `/health`) under uvicorn. Run by rlexp (rlexp/envs/openenv_server.py) as a
 script in OpenEnv's venv, never imported by rlexp itself:
 
     .venv-openenv/bin/python rlexp/envs/openenv_serve.py package.module:attr --max-sessions 64
