@@ -122,8 +122,7 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     t3 = time.time()
     busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
     metrics = rollout_metrics(batch, version) | train_metrics
-    if hasattr(engine, "pop_replica_metrics"):  # a pool of replicas (cluster=ray)
-        metrics |= engine.pop_replica_metrics()
+    metrics |= engine.pop_replica_metrics()  # a pool's per replica (cluster=ray)
     if busy > 0.01:  # generation speed while the engine had work (this step's window)
         metrics["throughput/rollout_tokens_per_s"] = generated / busy
     for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch

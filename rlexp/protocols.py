@@ -55,6 +55,11 @@ class RolloutEngine(Protocol):
 
     async def wake_up(self) -> None: ...
 
+    def pop_replica_metrics(self) -> dict[str, float]:
+        """The engine's own metrics since the last call, logged with the step: per replica for
+        a pool of them (cluster=ray), none for one engine."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

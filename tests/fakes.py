@@ -99,6 +99,9 @@ class TimedEngine:
     async def wake_up(self) -> None:
         pass
 
+    def pop_replica_metrics(self) -> dict[str, float]:
+        return {}
+
 
 class VersionOnlyTransport:
     """A WeightTransport for fake engines and trainers, which have no weights: it consumes

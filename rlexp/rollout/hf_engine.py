@@ -149,5 +149,8 @@ class HFEngine:
     async def wake_up(self) -> None:
         """Nothing to restore (see `sleep`)."""
 
+    def pop_replica_metrics(self) -> dict[str, float]:
+        return {}  # one engine: its numbers are the step's (rlexp/loop.py rl_step)
+
     def shutdown(self) -> None:
         """No engine process or temporary files to clean up."""

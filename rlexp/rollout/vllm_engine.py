@@ -376,6 +376,9 @@ class VLLMEngine:
         if self.sleeps:
             await self._call(self.llm.wake_up())
 
+    def pop_replica_metrics(self) -> dict[str, float]:
+        return {}  # one engine: its numbers are the step's (rlexp/loop.py rl_step)
+
     def shutdown(self) -> None:
         # Drop the engine now: its destructor calls shutdown again, which fails noisily
         # (TypeError) when it only runs during interpreter exit.
