@@ -27,7 +27,7 @@ from rlexp.algorithms.aggregation import (
     Totals,
 )
 from rlexp.algorithms.kl import KLTerm
-from rlexp.algorithms.mismatch import NoCorrection, SeqMask, SeqTIS, TokenMask, TokenTIS
+from rlexp.algorithms.mismatch import IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
 from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import CISPO, GSPO, TIS, Decoupled, PPOClip, TokenInputs
 
@@ -238,7 +238,7 @@ def test_aggregation_is_exact_over_micro_batches_and_ranks(agg, split):
 
 POLICY_LOSSES = [PPOClip(0.2, 0.28, dual_clip=3.0), PPOClip(0.2, 0.2), GSPO(), GSPO(0.2, 0.2), CISPO(),
                  TIS(2.0), Decoupled(0.2, 0.2, is_cap=2.0)]
-MISMATCHES = [NoCorrection(), TokenTIS(2.0), SeqTIS(2.0), TokenMask(0.5, 2.0),
+MISMATCHES = [NoCorrection(), TokenTIS(2.0), SeqTIS(2.0), IcePop(0.5, 2.0),
               SeqMask(0.5, 2.0, geometric=True), SeqMask(0.5, 2.0, geometric=False)]
 
 
@@ -300,24 +300,25 @@ def test_objective_composes_weight_entropy_and_kl():
 
 
 def test_objective_mask_zeroes_the_whole_loss_of_masked_tokens():
-    # IcePop: rho = [1, 3] -> keep [1, 0]; the masked token's loss (policy, KL in the loss and
-    # entropy terms) and its gradient are 0
+    # IcePop: rho = [1.5, 3] -> weight [1.5, 0], keep [1, 0]; the kept token's policy-gradient
+    # loss is weighted by rho, the masked token's whole loss (policy, KL in the loss and entropy
+    # terms) and its gradient are 0. PPO-clip: r = 1.1 (inside the clip), A = 1: -1.1 per token.
     logp = t([-1.0, -2.0]).requires_grad_()
     old = t([-1.0 - math.log(1.1), -2.0 - math.log(1.1)])
-    x = TokenInputs(logp, old, old - t([0.0, math.log(3.0)]), adv=t([1.0, 1.0]), mask=t([1.0, 1.0]))
-    obj = Objective(GroupNormalized(), PPOClip(0.2, 0.2), TokenMean(), KLTerm("k3", 0.0), TokenMask(0.5, 2.0))
+    x = TokenInputs(logp, old, old - t([math.log(1.5), math.log(3.0)]), adv=t([1.0, 1.0]), mask=t([1.0, 1.0]))
+    obj = Objective(GroupNormalized(), PPOClip(0.2, 0.2), TokenMean(), KLTerm("k3", 0.0), IcePop(0.5, 2.0))
     loss, m = obj.token_loss(x, None, None)
-    assert_close(loss, t([-1.1, 0.0]))
-    assert_close(m["pg_loss"], t([-1.1, 0.0]))
+    assert_close(loss, t([-1.65, 0.0]))  # 1.5 * -1.1
+    assert_close(m["pg_loss"], t([-1.65, 0.0]))
     assert m["masked_token_frac"].tolist() == [0.0, 1.0]
     (g,) = torch.autograd.grad(loss.sum(), logp)
-    assert_close(g, t([-1.1, 0.0]))
+    assert_close(g, t([-1.65, 0.0]))  # d(-1.5 r A)/dlogp = -1.5 r
     with_terms = Objective(GroupNormalized(), PPOClip(0.2, 0.2), TokenMean(), KLTerm("k1", 0.5),
-                           TokenMask(0.5, 2.0), entropy_coef=0.1)
+                           IcePop(0.5, 2.0), entropy_coef=0.1)
     loss, _ = with_terms.token_loss(x, entropy=t([2.0, 2.0]), ref_logp=t([-1.0, -1.0]))
-    assert_close(loss, t([-1.1 - 0.1 * 2.0 + 0.5 * 0.0, 0.0]))  # k1 = logp - ref = 0 on token 0
+    assert_close(loss, t([-1.65 - 0.1 * 2.0 + 0.5 * 0.0, 0.0]))  # k1 = logp - ref = 0 on token 0
     (g,) = torch.autograd.grad(loss.sum(), logp)
-    assert_close(g, t([-1.1 + 0.5, 0.0]))
+    assert_close(g, t([-1.65 + 0.5, 0.0]))
 
 
 def test_objective_kl_placement():

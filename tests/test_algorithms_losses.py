@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from torch.testing import assert_close
 
 from rlexp.algorithms.kl import KLTerm, kl_estimate
-from rlexp.algorithms.mismatch import NoCorrection, SeqMask, SeqTIS, TokenMask, TokenTIS
+from rlexp.algorithms.mismatch import IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
 from rlexp.algorithms.policy_losses import CISPO, GSPO, TIS, Decoupled, PPOClip, TokenInputs
 from rlexp.algorithms.ratios import clamped_exp, seq_log_ratio
 from rlexp.config import check_arguments
@@ -224,20 +224,20 @@ def test_seq_tis_weights_use_the_product_of_the_trained_tokens_ratios():
     assert m["is_truncated_frac"].tolist() == [0.0, 1.0, 0.0]
 
 
-def test_token_mask_icepop_band():
+def test_icepop_weights_by_rho_inside_the_band_and_masks_outside():
     rho = [0.4, 0.51, 1.0, 1.99, 2.5]
     keep_want = [0.0, 1.0, 1.0, 1.0, 0.0]
     lr = t([[math.log(r) for r in rho]])
-    weight, keep, m = TokenMask(0.5, 2.0)(lr, torch.zeros(1, 5), torch.ones(1, 5))
-    assert weight is None
+    weight, keep, m = IcePop(0.5, 2.0)(lr, torch.zeros(1, 5), torch.ones(1, 5))
     assert keep.tolist() == [keep_want]
+    assert_close(weight, t([[0.0, 0.51, 1.0, 1.99, 0.0]]))  # M(k) = k in [0.5, 2], else 0
     assert m["masked_token_frac"].tolist() == [[1 - k for k in keep_want]]
     # a log-ratio of +-50 is clamped, not inf/0, and masked
-    _, keep, _ = TokenMask()(t([[50.0, -50.0]]), torch.zeros(1, 2), torch.ones(1, 2))
-    assert keep.tolist() == [[0.0, 0.0]]
+    weight, keep, _ = IcePop()(t([[50.0, -50.0]]), torch.zeros(1, 2), torch.ones(1, 2))
+    assert keep.tolist() == [[0.0, 0.0]] and weight.tolist() == [[0.0, 0.0]]
 
 
-@pytest.mark.parametrize("cls", ["TokenMask", "SeqMask"])
+@pytest.mark.parametrize("cls", ["IcePop", "SeqMask"])
 def test_mask_band_is_checked(cls):
     check(f"rlexp.algorithms.mismatch.{cls}", low=0.0, high=1.5)
     for low, high in [(1.0, 2.0), (0.5, 1.0), (-0.1, 2.0)]:

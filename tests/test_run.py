@@ -117,7 +117,7 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path):
     params = run.data.params  # the algorithm's choices, for the compare view
     assert (params["algorithm.policy_loss"], params["algorithm.mismatch"], params["algorithm.advantage"]) == \
         ("decoupled", "icepop", "grpo")
-    assert params["trainer.mismatch._target_"] == "rlexp.algorithms.mismatch.TokenMask"
+    assert params["trainer.mismatch._target_"] == "rlexp.algorithms.mismatch.IcePop"
     stale = _history(client, run, "rollout/staleness_max")
     assert max(stale) <= 2 and max(stale) >= 1  # ran ahead of the trainer, never past the bound
     for key in ("rollout/engine_idle_frac", "train/idle_frac", "rollout/untrained_tokens",

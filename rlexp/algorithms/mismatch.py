@@ -70,9 +70,15 @@ class SeqTIS:
                 {"is_weight_mean": weight, "is_truncated_frac": (ratio > self.cap).float()})
 
 
-class TokenMask:
-    """IcePop (Ling Team 2025, Ring-1T, arXiv:2510.18855): tokens whose rho_t lies outside
-    [low, high] are masked out of the loss; the rest are kept with weight 1."""
+class IcePop:
+    """IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for
+    Trillion-Scale Thinking Model", Ring-1T, arXiv:2510.18855, eq. 4-5): each token's loss is
+    weighted by M(k_t), k_t = rho_t = pi_old(y_t) / pi_rollout(y_t) (held constant), with
+
+        M(k) = k  if low <= k <= high,  else 0
+
+    so a token inside the band is importance-weighted by rho_t and a token outside it is
+    masked out of the loss (and of the gradient)."""
 
     needs_recompute = True
 
@@ -82,7 +88,8 @@ class TokenMask:
     def __call__(self, old_logp, behav_logp, mask) -> Correction:
         ratio = clamped_exp(old_logp - behav_logp).detach()
         keep = ((ratio >= self.low) & (ratio <= self.high)).float()
-        return None, keep, {"masked_token_frac": 1.0 - keep}
+        weight = ratio * keep
+        return weight, keep, {"is_weight_mean": weight, "masked_token_frac": 1.0 - keep}
 
 
 class SeqMask:
