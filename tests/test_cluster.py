@@ -306,6 +306,7 @@ def test_a_node_that_cannot_read_the_model_is_named_before_anything_starts(nodes
     cluster = RayCluster(address=nodes.address, replicas=3, strategy="STRICT_SPREAD")
     with pytest.raises(ConfigError) as err:
         cluster.check_readable({"model_path": tiny_model_path})
+    print(err.value)
     lines = str(err.value).splitlines()[1:]
     # the node sees an empty directory there: every file of the model is missing
     assert len(lines) == 1 and f"({blind}): model_path={tiny_model_path}: missing " in lines[0], lines
