@@ -144,15 +144,9 @@ class SessionStore:
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
-            # What the template must write back for this reply to reproduce the generated
-            # tokens: every token, special ones included, except the closing stop token. It is
             # keyed by the reply as returned (a cut reply's text is shorter than its tokens'),
-            # since that is what the client sends back.
-            ids = gen.token_ids
-            ends_on_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
-            if not was_cut and gen.finish_reason == "stop" and ends_on_special:
-                ids = ids[:-1]
-            raw[_message_key(message)] = self.tokenizer.decode(ids, skip_special_tokens=False)
+            # since that is what the client sends back
+            raw[_message_key(message)] = self._template_text(gen, was_cut)
             finish = "tool_calls" if calls else ("length" if gen.finish_reason == "length" else "stop")
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "token_ids": gen.token_ids, "logprobs": {"content": self._token_logprobs(gen)}})
@@ -168,6 +162,15 @@ class SessionStore:
             "created": int(time.time()), "model": self.model_name, "choices": choices,
             "prompt_token_ids": prompt.trace.tokens, "session_id": session_id, "usage": usage,
         }
+
+    def _template_text(self, gen: Generation, was_cut: bool) -> str:
+        """What the template must write back for this reply to reproduce the generated tokens:
+        every token, special ones included, except the closing stop token."""
+        ids = gen.token_ids
+        ends_on_special = bool(ids) and ids[-1] in self.tokenizer.all_special_ids
+        if not was_cut and gen.finish_reason == "stop" and ends_on_special:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def _generate_choice(self, token_ids: list[int], sampling: SamplingConfig, index: int,
                                stream: ChunkStream | None, token_by_token: bool,
