@@ -107,6 +107,68 @@ async def verify(name: str, transfer, model, pool, prompt: list[int]) -> list[li
     return before
 
 
+async def check_transports(model, sd, ram, obj, pool, prompt: list[int]) -> None:
+    """Both transports reach every replica (verify), and give the same logprobs for the same
+    weights (`sd`: the model's state dict, as the transports send it)."""
+    a = await verify("ram_file", lambda v: ram.transfer(sd.items(), pool, v), model, pool, prompt)
+    b = await verify("object_store", lambda v: obj.transfer(sd.items(), pool, v), model, pool, prompt)
+    if differ(a, b) > 1e-5:
+        sys.exit("ram_file and object_store gave different logprobs for the same weights")
+
+
+async def timed_rounds(model, sd, ram, obj, pool, reps: int) -> dict[str, list[float]]:
+    """`reps` timed rounds (after one untimed warm-up) of the floors (a copy_ and a memcpy into
+    preallocated tensors) and both transports, the weights nudged before each, the order
+    reversed every other round; the transports' times split into their own part and the pool's."""
+    timed = _TimedPool(pool)
+    dst = {k: torch.empty_like(v) for k, v in sd.items()}
+    times: dict[str, list[float]] = {k: [] for k in (
+        "floor copy_", "floor memcpy", "ram_file", "  write", "  replicas", "object_store", "  put",
+        "  replicas ")}
+    order = ["floor copy_", "floor memcpy", "ram_file", "object_store"]
+    for rep in range(reps + 1):  # the first round warms up (first mapping, page faults), untimed
+        for what in order if rep % 2 else order[::-1]:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.0001)
+            t0 = time.perf_counter()
+            if what == "floor copy_":
+                with torch.no_grad():
+                    for k, v in sd.items():
+                        dst[k].copy_(v)
+            elif what == "floor memcpy":
+                for k, v in sd.items():
+                    ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
+            elif what == "ram_file":
+                await ram.transfer(sd.items(), timed, pool.version + 1)
+            else:
+                await obj.transfer(sd.items(), timed, pool.version + 1)
+            t = time.perf_counter() - t0
+            if rep:
+                times[what].append(t)
+                if what == "ram_file":
+                    times["  write"].append(t - timed.seconds)
+                    times["  replicas"].append(timed.seconds)
+                elif what == "object_store":
+                    times["  put"].append(t - timed.seconds)
+                    times["  replicas "].append(timed.seconds)
+    return times
+
+
+def print_times(times: dict[str, list[float]], n_bytes: int) -> float:
+    """A row per measurement (median, over the floor, every repetition), then the ratios; the
+    floor: the faster of the two copies."""
+    floor = min(median(times["floor copy_"]), median(times["floor memcpy"]))
+    print(f"  {'':14} {'median s':>9} {'/ floor':>8}   repetitions (s)")
+    for what, ts in times.items():
+        print(f"  {what:14} {median(ts):9.4f} {median(ts) / floor:8.2f}   {' '.join(f'{t:.4f}' for t in ts)}")
+    print(f"  floor {floor:.4f} s ({n_bytes / floor / 1e9:.1f} GB/s)   ram_file / floor "
+          f"{median(times['ram_file']) / floor:.2f}   object_store / floor "
+          f"{median(times['object_store']) / floor:.2f}   object_store / ram_file "
+          f"{median(times['object_store']) / median(times['ram_file']):.2f}", flush=True)
+    return floor
+
+
 async def bench_model(name: str, path: str, replicas: int, reps: int, rollout: str) -> dict[str, list[float]]:
     from hydra.utils import instantiate
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,55 +187,13 @@ async def bench_model(name: str, path: str, replicas: int, reps: int, rollout: s
     ram, obj = RamFileTransport(), ObjectStoreTransport()
     try:
         pool = cluster.rollout_engine(cfg.rollout, path, ram)
-        timed = _TimedPool(pool)
-        a = await verify("ram_file", lambda v: ram.transfer(sd.items(), pool, v), model, pool, prompt)
-        b = await verify("object_store", lambda v: obj.transfer(sd.items(), pool, v), model, pool, prompt)
-        if differ(a, b) > 1e-5:
-            sys.exit("ram_file and object_store gave different logprobs for the same weights")
-        dst = {k: torch.empty_like(v) for k, v in sd.items()}
-        times: dict[str, list[float]] = {k: [] for k in (
-            "floor copy_", "floor memcpy", "ram_file", "  write", "  replicas", "object_store", "  put",
-            "  replicas ")}
-        order = ["floor copy_", "floor memcpy", "ram_file", "object_store"]
-        for rep in range(reps + 1):  # the first round warms up (first mapping, page faults), untimed
-            for what in order if rep % 2 else order[::-1]:
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.mul_(1.0001)
-                t0 = time.perf_counter()
-                if what == "floor copy_":
-                    with torch.no_grad():
-                        for k, v in sd.items():
-                            dst[k].copy_(v)
-                elif what == "floor memcpy":
-                    for k, v in sd.items():
-                        ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
-                elif what == "ram_file":
-                    await ram.transfer(sd.items(), timed, pool.version + 1)
-                else:
-                    await obj.transfer(sd.items(), timed, pool.version + 1)
-                t = time.perf_counter() - t0
-                if rep:
-                    times[what].append(t)
-                    if what == "ram_file":
-                        times["  write"].append(t - timed.seconds)
-                        times["  replicas"].append(timed.seconds)
-                    elif what == "object_store":
-                        times["  put"].append(t - timed.seconds)
-                        times["  replicas "].append(timed.seconds)
+        await check_transports(model, sd, ram, obj, pool, prompt)
+        times = await timed_rounds(model, sd, ram, obj, pool, reps)
     finally:
         ram.close()
         obj.close()
         cluster.shutdown()
-    floor = min(median(times["floor copy_"]), median(times["floor memcpy"]))
-    print(f"  {'':14} {'median s':>9} {'/ floor':>8}   repetitions (s)")
-    for what, ts in times.items():
-        print(f"  {what:14} {median(ts):9.4f} {median(ts) / floor:8.2f}   {' '.join(f'{t:.4f}' for t in ts)}")
-    print(f"  floor {floor:.4f} s ({n_bytes / floor / 1e9:.1f} GB/s)   ram_file / floor "
-          f"{median(times['ram_file']) / floor:.2f}   object_store / floor "
-          f"{median(times['object_store']) / floor:.2f}   object_store / ram_file "
-          f"{median(times['object_store']) / median(times['ram_file']):.2f}", flush=True)
-    times["floor"] = [floor]
+    times["floor"] = [print_times(times, n_bytes)]
     return times
 
 

@@ -34,20 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 WARMUP = 2
 
 
-def naive_steps(steps: int) -> list[dict[str, float]]:
-    import random
-
-    import mlflow
+def naive_setup(cfg):
+    """What the naive loop holds: the tokenizer, the task's train problems, vLLM's offline
+    `LLM`, the policy in float32 with its AdamW, and the sampling of a group."""
     import torch
-    from common import default_config, default_model
-    from safetensors.torch import save_model
+    from common import default_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
 
     from rlexp.data.sources import ArithmeticSource
-    from rlexp.judges.math_exact import extract_answer, normalize
 
-    cfg = default_config()
     path = default_model(cfg)
     tok = AutoTokenizer.from_pretrained(path)
     src = cfg.data.source
@@ -59,6 +55,66 @@ def naive_steps(steps: int) -> list[dict[str, float]]:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.optimizer.lr, weight_decay=0.0)
     params = SamplingParams(n=cfg.data.samples_per_prompt, temperature=r.temperature,
                             max_tokens=r.max_response_tokens)
+    return tok, problems, llm, policy, opt, params
+
+
+def naive_rollouts(llm, tok, params, batch) -> tuple[list[tuple[list[int], list[int]]], list[float]]:
+    """A group of samples per problem from `LLM.generate`, each scored by the judge's answer
+    match: the (prompt, completion) token rows and their rewards, group by group."""
+    from rlexp.judges.math_exact import extract_answer, normalize
+
+    prompts = [tok.encode(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for p in batch]
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    rows, rewards = [], []
+    for prob, prompt, res in zip(batch, prompts, results):
+        for c in res.outputs:
+            answer = extract_answer(tok.decode(c.token_ids, skip_special_tokens=True))
+            rewards.append(float(answer is not None and normalize(answer) == normalize(prob.answer)))
+            rows.append((prompt, list(c.token_ids)))
+    return rows, rewards
+
+
+def naive_fit(policy, opt, rows, rewards, groups: int, pad_id: int, max_grad_norm: float):
+    """Group-normalised advantages, one padded forward/backward of -A * log pi over the
+    completions' tokens, grad clipping and an AdamW step: the loss and the rewards by group."""
+    import torch
+
+    g = torch.tensor(rewards).view(groups, -1)
+    adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).flatten()
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, (p, c) in enumerate(rows):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0
+    logp = torch.log_softmax(policy(ids).logits[:, :-1].float(), -1)
+    logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
+    opt.step()
+    return loss, g
+
+
+def naive_sync(policy, llm, shm: Path) -> None:
+    """The new weights into vLLM: saved as safetensors into /dev/shm, then `reload_weights`."""
+    from safetensors.torch import save_model
+
+    save_model(policy, str(shm / "model.safetensors"))
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
+    llm.reset_prefix_cache()
+
+
+def naive_steps(steps: int) -> list[dict[str, float]]:
+    import random
+
+    import mlflow
+    from common import default_config
+
+    cfg = default_config()
+    tok, problems, llm, policy, opt, params = naive_setup(cfg)
     shm = Path(tempfile.mkdtemp(prefix="naive-", dir="/dev/shm"))
     store = Path(tempfile.mkdtemp(prefix="naive-mlflow-"))  # on disk, as rlexp's store
     mlflow.set_tracking_uri(f"sqlite:///{store}/mlflow.db")
@@ -68,37 +124,14 @@ def naive_steps(steps: int) -> list[dict[str, float]]:
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         batch = rng.sample(problems, cfg.data.prompts_per_step)
-        prompts = [tok.encode(tok.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=False),
-                              add_special_tokens=False) for p in batch]
-        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        rows, rewards = [], []
-        for prob, prompt, res in zip(batch, prompts, results):
-            for c in res.outputs:
-                answer = extract_answer(tok.decode(c.token_ids, skip_special_tokens=True))
-                rewards.append(float(answer is not None and normalize(answer) == normalize(prob.answer)))
-                rows.append((prompt, list(c.token_ids)))
+        rows, rewards = naive_rollouts(llm, tok, params, batch)
         t1 = time.perf_counter()
 
-        g = torch.tensor(rewards).view(len(batch), -1)
-        adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).flatten()
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id or 0)
-        mask = torch.zeros(len(rows), width - 1)
-        for i, (p, c) in enumerate(rows):
-            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-            mask[i, len(p) - 1:len(p) + len(c) - 1] = 1.0
-        logp = torch.log_softmax(policy(ids).logits[:, :-1].float(), -1)
-        logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        loss = -(adv[:, None] * logp * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.trainer.max_grad_norm)
-        opt.step()
+        loss, g = naive_fit(policy, opt, rows, rewards, len(batch), tok.pad_token_id or 0,
+                            cfg.trainer.max_grad_norm)
         t2 = time.perf_counter()
 
-        save_model(policy, str(shm / "model.safetensors"))
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(shm)})
-        llm.reset_prefix_cache()
+        naive_sync(policy, llm, shm)
         t3 = time.perf_counter()
         tokens = sum(len(c) for _, c in rows) / len(rows)
         mlflow.log_metrics({"loss": loss.item(), "reward_mean": g.mean().item(), "tokens": tokens,

@@ -91,13 +91,13 @@ class Raw:
         self.opt = instantiate(OmegaConf.create(trainer_cfg["optimizer"]))(self.model.parameters())
         self.max_grad_norm, self.device = trainer_cfg.get("max_grad_norm", 1.0), device
 
-    def step(self, tb, pieces) -> None:
+    def step(self, tb, micro_batches) -> None:
         import torch
 
         n_tokens = float(tb.loss_mask.sum())
-        for idx, width in pieces:
-            ids = tb.input_ids[idx, :width].to(self.device)
-            mask = tb.loss_mask[idx, :width - 1].to(self.device)
+        for mb in micro_batches:
+            ids = tb.input_ids[mb.rows, :mb.width].to(self.device)
+            mask = tb.loss_mask[mb.rows, mb.columns].to(self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
             (-(logp * mask).sum() / n_tokens).backward()
@@ -133,7 +133,7 @@ def worker(spec_path: str, out_path: str) -> None:
     trainer = instantiate(OmegaConf.create(spec["trainer"]), model_path=spec["model"], workers=world)
     raw = Raw(spec["model"], spec["trainer"], dev) if spec["raw"] else None
     tb = TokenBatch.build(batch, version=0)
-    pieces = tb.micro_batches(list(range(len(tb))), trainer.micro_batch_tokens)
+    micro_batches = tb.micro_batches(list(range(len(tb))), trainer.micro_batch_tokens)
 
     fit_s, raw_s, metrics = [], [], {}
     for rep in range(1 + spec["reps"]):  # rep 0 warms up, untimed
@@ -150,7 +150,7 @@ def worker(spec_path: str, out_path: str) -> None:
         if raw is not None:
             sync()
             t0 = time.perf_counter()
-            raw.step(tb, pieces)
+            raw.step(tb, micro_batches)
             sync()
             if rep:
                 raw_s.append(time.perf_counter() - t0)
@@ -158,7 +158,7 @@ def worker(spec_path: str, out_path: str) -> None:
         Path(out_path).write_text(json.dumps({
             "world": world, "threads": torch.get_num_threads(), "fit_s": fit_s, "raw_s": raw_s,
             "response_tokens": float(tb.loss_mask.sum()), "tokens": sum(tb.lengths),
-            "padded": list(tb.input_ids.shape), "micro_batches": len(pieces),
+            "padded": list(tb.input_ids.shape), "micro_batches": len(micro_batches),
             "pad_frac": metrics.get("train/pad_frac")}))
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -192,7 +192,7 @@ def run_side(name: str, spec: dict, nproc: int, torchrun: bool, cores: int) -> d
         return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=8, help="timed fits per process (after 1 warm-up)")
     p.add_argument("--blocks", type=int, default=2, help="processes per side, sides alternating")
@@ -207,47 +207,54 @@ def main() -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.micro_batch_tokens=2048")
-    args = p.parse_args()
-    if args.worker:
-        return worker(args.worker, args.out)
+    return p.parse_args()
 
+
+def make_spec(args: argparse.Namespace) -> tuple[str, dict]:
+    """The model's path and the spec every side's process fits: the batch's shape, the model
+    and the trainer config (the default experiment's, with --model and the overrides)."""
+    from common import default_config, default_model
     from omegaconf import OmegaConf
     from transformers import AutoConfig
-
-    sys.path.insert(0, str(HERE.parent))
-    from common import default_config, default_model, median
 
     cfg = default_config((["model=local", f"model.path={args.model}"] if args.model else []) + args.overrides)
     model_path = default_model(cfg)
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_cfg.pop("workers", None)
-    cores = len(os.sched_getaffinity(0))
     spec = {"seed": args.seed, "samples": args.samples, "group_size": args.group_size,
             "min_len": args.min_len, "max_len": args.max_len,
             "max_response": args.max_response or cfg.rollout.max_response_tokens,
             "vocab_size": AutoConfig.from_pretrained(model_path).vocab_size,
             "model": model_path, "trainer": trainer_cfg, "reps": args.reps, "raw": True}
-    sides = {"1 worker": (1, False), "2 workers": (2, True)}
-    if args.fsdp1:
-        sides["fsdp 1 rank"] = (1, True)
-    print(f"model {model_path}; {cores} cores; {args.samples} samples of {args.min_len}-{args.max_len} "
-          f"tokens, responses 2-{spec['max_response']}; {args.blocks} blocks x {args.reps} timed fits "
-          "per side", flush=True)
-    load0 = os.getloadavg()[0]
+    return model_path, spec
+
+
+def run_blocks(spec: dict, sides: dict, blocks: int, cores: int) -> dict[str, list[dict]]:
+    """Each side's fresh process(es) once per block, the sides' order alternating from block
+    to block; a line per process as it ends. Each side's timings, block by block."""
+    from common import median
 
     results: dict[str, list[dict]] = {name: [] for name in sides}
     names = list(sides)
-    for b in range(args.blocks):
+    for b in range(blocks):
         for name in names if b % 2 == 0 else names[::-1]:
             r = run_side(name, spec, *sides[name], cores)
             results[name].append(r)
             extra = f"  raw {median(r['raw_s']):.3f} s" if r["raw_s"] else ""
             print(f"block {b} {name:<12} fit {median(r['fit_s']):.3f} s{extra}  "
                   f"({r['threads']} thread(s)/rank, process wall {r['wall_s']:.0f} s)", flush=True)
+    return results
 
+
+def print_table(samples: int, sides: dict, results: dict[str, list[dict]]) -> tuple[dict, float, float]:
+    """The batch, then a row per side (and the raw floor): its median fit and throughputs.
+    Returns the sides' median fit seconds, the raw floor's, and the trained response tokens."""
+    from common import median
+
+    names = list(sides)
     first = results[names[0]][0]
     resp, toks = first["response_tokens"], first["tokens"]
-    print(f"\nbatch: {args.samples} samples, {toks} tokens ({resp:.0f} trained response tokens), padded "
+    print(f"\nbatch: {samples} samples, {toks} tokens ({resp:.0f} trained response tokens), padded "
           f"{tuple(first['padded'])}, {first['micro_batches']} micro-batch(es), "
           f"pad_frac {first['pad_frac']:.3f}")
     fit = {name: median([t for r in rs for t in r["fit_s"]]) for name, rs in results.items()}
@@ -261,6 +268,12 @@ def main() -> None:
     for name, ranks, thr, s, ts in rows:
         print(f"{name:16} {ranks:5d} {thr:8d} {s:9.3f} {resp / s:11.0f} {toks / s:10.0f}  "
               + " ".join(f"{t:.3f}" for t in ts))
+    return fit, raw, resp
+
+
+def print_verdict(fit: dict, raw: float, resp: float, load0: float, cores: int, fsdp1: bool) -> None:
+    """The load during the run, what the 2-worker figure means here, then the ratios, the
+    headline (`ratio: X`) last."""
     one, two = resp / fit["1 worker"], resp / fit["2 workers"]
     load1 = os.getloadavg()[0]
     print(f"load average (1 min) at start {load0:.2f}, at end {load1:.2f}"
@@ -269,12 +282,31 @@ def main() -> None:
     if cores <= 2:
         print(f"note: {cores} cores here: the 2 ranks share the cores the 1 worker used alone, so the "
               "2-worker figure measures overhead (gloo collectives, a second process), not scaling")
-    if args.fsdp1:
+    if fsdp1:
         print(f"FSDP2 over 1 rank / unsharded: {fit['fsdp 1 rank'] / fit['1 worker']:.3f}x the fit time")
     print(f"tokens/s 1 worker: {one:.0f}, 2 workers: {two:.0f} (2 workers / 1: {two / one:.3f})")
     print(f"fit over raw fwd+bwd: {fit['1 worker'] / raw:.3f}")
     print(f"ratio: {two / one:.3f}")
 
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args.worker, args.out)
+
+    sys.path.insert(0, str(HERE.parent))  # bench/common.py, which the parent's steps import
+    model_path, spec = make_spec(args)
+    cores = len(os.sched_getaffinity(0))
+    sides = {"1 worker": (1, False), "2 workers": (2, True)}
+    if args.fsdp1:
+        sides["fsdp 1 rank"] = (1, True)
+    print(f"model {model_path}; {cores} cores; {args.samples} samples of {args.min_len}-{args.max_len} "
+          f"tokens, responses 2-{spec['max_response']}; {args.blocks} blocks x {args.reps} timed fits "
+          "per side", flush=True)
+    load0 = os.getloadavg()[0]
+    results = run_blocks(spec, sides, args.blocks, cores)
+    fit, raw, resp = print_table(args.samples, sides, results)
+    print_verdict(fit, raw, resp, load0, cores, args.fsdp1)
 
 if __name__ == "__main__":
     main()

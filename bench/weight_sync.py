@@ -81,6 +81,94 @@ def qwen2_120m(tokenizer_dir: str, out: Path) -> str:
     return str(out)
 
 
+class _Ways:
+    """The ways of moving a model's weights that bench_model times, on one model and one engine:
+    two floors (a copy_ and a memcpy into preallocated tensors), the ram_file transport (as
+    rlexp runs it, and with plain copy_ in place of its fast copy), and vLLM reloading a
+    safetensors file."""
+
+    ORDER = ["floor copy_", "floor memcpy", "ram_file", "ram_file_copy_", "file_reload"]
+
+    def __init__(self, model, engine: VLLMEngine):
+        self.model, self.engine = model, engine
+        self.timed = _TimedEngine(engine)
+        self.transport = RamFileTransport()
+        self.old_dir = Path(tempfile.mkdtemp(prefix="rlexp-bench-", dir="/dev/shm"))
+        self.dst = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+
+    def floor(self):
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                self.dst[k].copy_(v)
+
+    def floor_memcpy(self):
+        for k, v in self.model.state_dict().items():
+            ctypes.memmove(self.dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
+
+    async def file_reload(self):
+        save_safetensors(self.model.state_dict().items(), self.old_dir)
+        await self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.old_dir)})
+
+    async def ram_file_copy_(self, rep: int):
+        fast, weights._copy = weights._copy, lambda dst, src: dst.copy_(src)
+        try:
+            await self.transport.transfer(self.model.state_dict().items(), self.engine, rep)
+        finally:
+            weights._copy = fast
+
+    async def run(self, what: str, rep: int) -> None:
+        if what == "floor copy_":
+            self.floor()
+        elif what == "floor memcpy":
+            self.floor_memcpy()
+        elif what == "ram_file":
+            await self.transport.transfer(self.model.state_dict().items(), self.timed, rep)
+        elif what == "ram_file_copy_":
+            await self.ram_file_copy_(rep)
+        else:
+            await self.file_reload()
+
+    def close(self):
+        self.engine.shutdown()
+        self.transport.close()
+        shutil.rmtree(self.old_dir, ignore_errors=True)
+
+
+async def timed_rounds(ways: _Ways, reps: int) -> dict[str, list[float]]:
+    """`reps` timed rounds (after one untimed warm-up) of every way, the weights nudged before
+    each round, the order reversed every other round; ram_file's time also split into the
+    engine's part and the write."""
+    times: dict[str, list[float]] = {"floor copy_": [], "floor memcpy": [], "ram_file": [], "  write": [],
+                                     "  engine": [], "ram_file_copy_": [], "file_reload": []}
+    for rep in range(reps + 1):  # the first round warms up (first mapping, page faults), untimed
+        with torch.no_grad():
+            for p in ways.model.parameters():
+                p.mul_(1.0001)
+        order = ways.ORDER
+        for what in order if rep % 2 else order[::-1]:
+            t0 = time.perf_counter()
+            await ways.run(what, rep)
+            if rep:
+                times[what].append(time.perf_counter() - t0)
+                if what == "ram_file":
+                    times["  engine"].append(ways.timed.seconds)
+                    times["  write"].append(times[what][-1] - ways.timed.seconds)
+    return times
+
+
+def print_times(times: dict[str, list[float]]) -> float:
+    """A line per way (median, every repetition), then the ratios; the floor: the faster copy."""
+    for what, ts in times.items():
+        print(f"  {what:12} median {median(ts):.3f} s  ({' '.join(f'{t:.3f}' for t in ts)})")
+    f = min(median(times["floor copy_"]), median(times["floor memcpy"]))
+    print(f"  ram_file / floor {median(times['ram_file']) / f:.2f} (write / floor "
+          f"{median(times['  write']) / f:.2f}, engine / floor {median(times['  engine']) / f:.2f})   "
+          f"ram_file_copy_ / floor {median(times['ram_file_copy_']) / f:.2f}   file_reload / floor "
+          f"{median(times['file_reload']) / f:.2f}   file_reload / ram_file "
+          f"{median(times['file_reload']) / median(times['ram_file']):.2f}")
+    return f
+
+
 async def bench_model(name: str, path: str, reps: int) -> dict[str, list[float]]:
     from transformers import AutoModelForCausalLM
 
@@ -89,71 +177,12 @@ async def bench_model(name: str, path: str, reps: int) -> dict[str, list[float]]
     n_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"\n{name}: {n_params / 1e6:.1f}M parameters, state dict {n_bytes / 1e6:.0f} MB "
           "(tied counted twice)")
-    engine = VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25)
-    timed = _TimedEngine(engine)
-    transport = RamFileTransport()
-    old_dir = Path(tempfile.mkdtemp(prefix="rlexp-bench-", dir="/dev/shm"))
-    dst = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
-
-    def floor():
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                dst[k].copy_(v)
-
-    def floor_memcpy():
-        for k, v in model.state_dict().items():
-            ctypes.memmove(dst[k].data_ptr(), v.data_ptr(), v.numel() * v.element_size())
-
-    async def file_reload():
-        save_safetensors(model.state_dict().items(), old_dir)
-        await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(old_dir)})
-
-    times: dict[str, list[float]] = {"floor copy_": [], "floor memcpy": [], "ram_file": [], "  write": [],
-                                     "  engine": [], "ram_file_copy_": [], "file_reload": []}
-
-    async def ram_file_copy_():
-        fast, weights._copy = weights._copy, lambda dst, src: dst.copy_(src)
-        try:
-            await transport.transfer(model.state_dict().items(), engine, rep)
-        finally:
-            weights._copy = fast
-
+    ways = _Ways(model, VLLMEngine(path, seed=0, max_model_len=256, kv_cache_gb=0.25))
     try:
-        for rep in range(reps + 1):  # the first round warms up (first mapping, page faults), untimed
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1.0001)
-            order = ["floor copy_", "floor memcpy", "ram_file", "ram_file_copy_", "file_reload"]
-            for what in order if rep % 2 else order[::-1]:
-                t0 = time.perf_counter()
-                if what == "floor copy_":
-                    floor()
-                elif what == "floor memcpy":
-                    floor_memcpy()
-                elif what == "ram_file":
-                    await transport.transfer(model.state_dict().items(), timed, rep)
-                elif what == "ram_file_copy_":
-                    await ram_file_copy_()
-                else:
-                    await file_reload()
-                if rep:
-                    times[what].append(time.perf_counter() - t0)
-                    if what == "ram_file":
-                        times["  engine"].append(timed.seconds)
-                        times["  write"].append(times[what][-1] - timed.seconds)
+        times = await timed_rounds(ways, reps)
     finally:
-        engine.shutdown()
-        transport.close()
-        shutil.rmtree(old_dir, ignore_errors=True)
-    for what, ts in times.items():
-        print(f"  {what:12} median {median(ts):.3f} s  ({' '.join(f'{t:.3f}' for t in ts)})")
-    f = min(median(times["floor copy_"]), median(times["floor memcpy"]))
-    times["floor"] = [f]
-    print(f"  ram_file / floor {median(times['ram_file']) / f:.2f} (write / floor "
-          f"{median(times['  write']) / f:.2f}, engine / floor {median(times['  engine']) / f:.2f})   "
-          f"ram_file_copy_ / floor {median(times['ram_file_copy_']) / f:.2f}   file_reload / floor "
-          f"{median(times['file_reload']) / f:.2f}   file_reload / ram_file "
-          f"{median(times['file_reload']) / median(times['ram_file']):.2f}")
+        ways.close()
+    times["floor"] = [print_times(times)]
     return times
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 from annotated_types import Gt
 
 from rlexp.errors import JudgeError
-from rlexp.protocols import Agent, Judge
+from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.rollout.accounting import conversation
 from rlexp.sample import Sample, Status
 
@@ -63,6 +63,9 @@ class JudgeGuard:
     def __init__(self, judge: Judge, timeout_s: Timeout = None):
         self.judge = judge
         self.timeout_s = timeout_s
+
+    def bind(self, engine: RolloutEngine, tokenizer: Any) -> None:
+        self.judge.bind(engine, tokenizer)
 
     async def score(self, sample: Sample) -> Sample:
         try:

@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from rlexp.progress import Progress, SweepPosition
 from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.trainer.controller import fit_call_by_call
 from rlexp.weights.protocols import WeightTransport
 
 log = logging.getLogger("rlexp")
@@ -76,40 +78,13 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
     return guard(component, **guard_args)
 
 
-def fit_call_by_call(trainer: LowLevelTrainer, batch: list[Sample], version: int) -> dict[str, float]:
-    """`trainer.fit(batch, version)` spelled out with the TrainController's low-level API
-    (`loop=low_level`): the same calls in the same order, so the same update; each call's
-    seconds are logged (`timing/fit/<call>_s`). A loop of your own can read or replace what a
-    call left in `fb` before the next one (rlexp/trainer/fit_batch.py)."""
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-
-    def lap(call: str) -> None:
-        nonlocal t0
-        seconds[f"timing/fit/{call}_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-
-    fb = trainer.prepare(batch, version)
-    lap("prepare")
-    trainer.compute_old_logprobs(fb)  # the rollout's, or a forward of the policy before the update
-    lap("old_logprobs")
-    trainer.compute_ref_logprobs(fb)  # the reference policy, when the objective or train/kl needs it
-    lap("ref_logprobs")
-    trainer.compute_values(fb)  # the critic, with advantage=gae
-    lap("values")
-    trainer.compute_advantages(fb)
-    lap("advantages")
-    metrics = trainer.train(fb)  # forward/backward, optimizer steps, the lr schedule's step
-    lap("train")
-    return metrics | seconds
-
-
 async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine: RolloutEngine,
                   trainer: Trainer, transport: WeightTransport, version: int,
                   fit: Callable[[list[Sample], int], dict[str, float]] | None = None
                   ) -> tuple[list[Sample], dict[str, float]]:
     """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
     Under the async scheduler, rollout goes on in the background during fit. `fit`: the
-    update (default `trainer.fit`; loop=low_level: `fit_call_by_call`)."""
+    update (default `trainer.fit`; loop=low_level: `fit_call_by_call` from the loop)."""
     t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
     batch = await scheduler.produce_batch(data, agent, version)
     t1 = time.time()
@@ -152,6 +127,7 @@ class RLLoop:
         self.eval_agent: Agent | None = None
         self.scheduler: Scheduler | None = None
         self.trainer: Trainer | None = None
+        self.update: Callable[[list[Sample], int], dict[str, float]] | None = None  # the step's update
         self.transport: WeightTransport | None = None
         self.cluster: Any = None
 
@@ -230,8 +206,7 @@ class RLLoop:
         log.info("building %-16s on cluster=%s", "rollout", self.cluster.name)
         self.engine = engine = self.cluster.rollout_engine(cfg.rollout, self.model_path, self.transport)
         judge = build_guarded(cfg, "judge", JudgeGuard)
-        if hasattr(judge.judge, "bind"):  # a model judge grading with the policy's engine
-            judge.judge.bind(engine, tokenizer)
+        judge.bind(engine, tokenizer)  # a model judge grades with the policy's engine
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
         self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
                                         judge=judge, sampling=self.evaluator.sampling,
@@ -239,16 +214,13 @@ class RLLoop:
         self.scheduler = build(cfg, "scheduler")
         log.info("building %-16s %s x%d on cluster=%s", "trainer", cfg.trainer._target_,
                  cfg.trainer.get("workers", 1), self.cluster.name)
-        self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
-        if cfg.loop == "low_level":
+        if cfg.loop == "low_level":  # the trainer in this process (config.py: trainer.workers=1)
             log.info("loop=low_level: the trainer's low-level calls one by one (fit_call_by_call)")
-
-    def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
-        """The step's update: the trainer's `fit`, or (loop=low_level) its low-level calls."""
-        assert self.trainer is not None
-        if self.cfg.loop == "low_level":
-            return fit_call_by_call(self.trainer, batch, version)  # type: ignore[arg-type]
-        return self.trainer.fit(batch, version)
+            low_level: LowLevelTrainer = instantiate(cfg.trainer, model_path=self.model_path)
+            self.trainer, self.update = low_level, partial(fit_call_by_call, low_level)
+        else:
+            self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
+            self.update = self.trainer.fit
 
     async def restore(self, resumed: RunState) -> None:
         """Trainer, engine weights, policy version, scheduler and RNGs as they were at the
@@ -276,7 +248,7 @@ class RLLoop:
         agent = GeneratedLengths(self.agent)  # every length generated, beside the ones trained
         for step in range(self.start_step + 1, total + 1):
             batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
-                                           self.transport, self.version, self.fit)
+                                           self.transport, self.version, self.update)
             metrics |= agent.pop_metrics()
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)

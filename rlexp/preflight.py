@@ -1,5 +1,6 @@
 """What a run checks first, importing nothing heavy (no torch, transformers' models, vLLM or
-MLflow), so that bad input fails in about a second instead of after ten seconds of imports:
+MLflow), so that bad input fails in about a second instead of after ten seconds of imports
+(measured: the docstrings of rlexp/signatures.py and LightTokenizer):
 
 1. the config: every `_target_` and its arguments, read from rlexp's source (rlexp/signatures.py);
 2. the data: the files are read and every row checked (file, line, key), images decoded;
@@ -214,7 +215,15 @@ def preflight(cfg: DictConfig) -> Inputs:
 
 class LightTokenizer:
     """A model directory's fast tokenizer (tokenizer.json) and chat template, rendered as
-    transformers renders it (same jinja2 settings and globals), without importing transformers."""
+    transformers renders it (same jinja2 settings and globals), without importing transformers.
+
+    Measured 2026-11-26 on a busy 2-core CPU machine (transformers 5.19, medians of 3 fresh
+    processes, after `import rlexp.preflight`, loading model=tiny's directory, rendering and
+    encoding one prompt): this 0.03 s; `transformers.AutoTokenizer.from_pretrained` 7.6 s.
+    transformers' own template compiler alone (`python -c "from
+    transformers.utils.chat_template_utils import _compile_jinja_template"`) takes 2.1 s, more
+    than the 2 s a bad config may take to fail (`python -m rlexp.run trainer.workers=0`:
+    0.7-0.9 s). tests/test_preflight.py checks both render alike."""
 
     def __init__(self, backend, template, special_tokens: dict[str, Any], chat_template: str):
         self.backend_tokenizer, self.template, self.special_tokens = backend, template, special_tokens

@@ -1,5 +1,7 @@
 """Every seam of rlexp on one page. Components are held by these types; any class with the
-same methods fits (no base classes to inherit).
+same methods fits. What a component can do is a method here, never probed with `hasattr`:
+an optional one has a default body, which a class gets by subclassing the Protocol
+(`class MyJudge(Judge)`; rlexp's own judges do) or writes itself.
 
     RLLoop (rlexp/loop.py) owns the policy version, the step and the checkpoint directory
       |-- Scheduler      produce_batch(data, agent, version) / sync_weights(engine, publish, version)
@@ -103,6 +105,12 @@ class Judge(Protocol):
         decide it themselves)."""
         ...
 
+    def bind(self, engine: RolloutEngine, tokenizer: Any) -> None:
+        """Optional: the run's engine and tokenizer, given once before any rollout, for a
+        judge that grades with the policy's engine (judge=llm with `base_url` null). The
+        default, inherited by subclassing `Judge`, keeps nothing."""
+        return None
+
 
 class Agent(Protocol):
     async def rollout(self, sample: Sample) -> Sample | list[Sample]:
@@ -157,7 +165,7 @@ class Trainer(Protocol):
 
 class LowLevelTrainer(Trainer, Protocol):
     """A Trainer whose `fit` is these calls in order on one fit batch (loop=low_level calls
-    them one by one; rlexp/trainer/fit_batch.py). The batch type is the trainer's own."""
+    them one by one; rlexp/trainer/update.py). The batch type is the trainer's own."""
 
     def prepare(self, batch: list[Sample], version: int) -> Any: ...
 

@@ -60,6 +60,33 @@ def arch_paths(tmp_path_factory) -> dict[str, str]:
     return {name: build_arch_model(cache_dir=cache, seed=0, **kw) for name, kw in BUILDS.items()}
 
 
+@pytest.fixture(scope="session")
+def run_models(tmp_path_factory):
+    """`model.cache_dir` of the whole-run tests (test_run, test_resume, test_sweep): their runs
+    build the same tiny model (same arguments, same cache key), so it is built once."""
+    return tmp_path_factory.mktemp("run-models")
+
+
+@pytest.fixture(scope="session")
+def new_store(tmp_path_factory):
+    """`new_store(dir)` makes `dir` and puts an empty MLflow SQLite store in it
+    (`dir/mlflow.db`), its tables made: MLflow's migrations, which every new store runs, take
+    seconds (mostly disk syncs), so they run once and each whole-run test copies the result."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    template = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{template}").search_experiments()  # creates the tables
+
+    def make(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, directory / "mlflow.db")
+        return directory
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_tracking_uri():
     """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI: keep one test's store out of the
@@ -96,6 +123,18 @@ def vllm_on_thread(model_path: str, failsafe_s: float, **engine_kwargs):
         engine.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def openenv_python() -> str:
+    """The Python of OpenEnv's venv (.venv-openenv), where the OpenEnv servers of the
+    environment tests run; missing, the tests that need it fail, saying how to make it."""
+    from tests.environment_helpers import OPENENV_PYTHON
+
+    if not OPENENV_PYTHON.is_file():
+        pytest.fail(f"{OPENENV_PYTHON} is missing: run `make envs` (scripts/install_envs.sh openenv) "
+                    "to create OpenEnv's venv", pytrace=False)
+    return str(OPENENV_PYTHON)
 
 
 @pytest.fixture(scope="module")

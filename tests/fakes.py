@@ -115,3 +115,14 @@ class VersionOnlyTransport:
 
     def close(self) -> None:
         pass
+
+
+class ScoreOnlyJudge:
+    """A judge written without the Protocol's optional `bind` (and not subclassing Judge)."""
+
+    def __init__(self, correct_reward: float = 1.0, format_reward: float = 0.0):
+        self.correct_reward = correct_reward
+
+    async def score(self, sample):
+        sample.reward = self.correct_reward
+        return sample

@@ -1,4 +1,4 @@
-"""Random request bodies for the server fuzz (tests/test_server_vllm.py): whole random JSON,
+"""Random request bodies for the server fuzz (tests/server_vllm/test_random_requests.py): whole random JSON,
 valid requests with one field replaced, sampling fields at their bounds, near-valid
 structured outputs and tools, random messages, raw bytes, and streamed variants of these."""
 

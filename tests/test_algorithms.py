@@ -1,7 +1,7 @@
 """rlexp.algorithms: advantage estimators, aggregations and the composed Objective, against the
 papers' formulas on small hand-made inputs; micro-batch/rank exactness of the aggregations;
 finiteness of every composition far off-policy. (Policy losses, mismatch corrections, KL:
-test_algorithms_losses.py; the default composition against the previous trainer's formulas:
+test_algorithms_losses.py; the default composition against direct reference formulas:
 test_algorithms_default.py.)"""
 
 import itertools

@@ -1,6 +1,6 @@
-"""The default composition computes bit for bit what the trainer computed before the algorithm
-became config groups: the previous formulas are kept here, as the trainer had them, as the
-reference (same seed, same numbers)."""
+"""The default composition computes bit for bit what direct, uncomposed formulas compute: GRPO's
+group-normalized advantages, PPO-clip, the TIS and decoupled corrections and the k3 KL, each
+written out here as the reference (same seed, same numbers)."""
 
 from collections import defaultdict
 
@@ -54,11 +54,11 @@ def totals_of(mask):
 
 @pytest.mark.parametrize("correction", ["none", "tis", "decoupled"])
 @pytest.mark.parametrize("kl_coef,entropy_coef", [(0.0, 0.0), (0.05, 0.01)])
-def test_default_composition_matches_the_previous_formulas(correction, kl_coef, entropy_coef):
+def test_default_composition_matches_the_reference_formulas(correction, kl_coef, entropy_coef):
     """GroupNormalized("population"), PPOClip(0.2, 0.2), TokenMean(), KLTerm("k3", 0.0),
-    NoCorrection() (and the old trainer's `tis` and `decoupled` corrections, its KL and
-    entropy terms) give bit-identical advantages, losses, metrics and gradients to
-    rlexp/trainer/{advantages,losses}.py as GRPOTrainer composed them."""
+    NoCorrection() (and the `tis` and `decoupled` corrections, the KL and entropy terms) give
+    bit-identical advantages, losses, metrics and gradients to the reference formulas above
+    (group_advantages, clipped_pg_loss, truncated_is_pg_loss, k3_kl), composed by hand."""
     g = torch.Generator().manual_seed(2)
     n, T = 10, 9
     rewards = torch.randint(0, 2, (n,), generator=g).float()
@@ -75,7 +75,7 @@ def test_default_composition_matches_the_previous_formulas(correction, kl_coef, 
     ent = 2 * torch.rand(n, T, generator=g)
     n_tokens = float(mask.sum())
 
-    # before: GRPOTrainer.compute_advantages and _token_terms
+    # the reference: the formulas above, composed by hand
     old_adv = group_advantages(rewards, [gi if ok else ("excluded", i)
                                          for i, (gi, ok) in enumerate(zip(groups, completed.tolist()))], True)
     logp_a = logp0.clone().requires_grad_()
@@ -92,7 +92,7 @@ def test_default_composition_matches_the_previous_formulas(correction, kl_coef, 
     total_a = (loss_a * mask).sum() / n_tokens
     (grad_a,) = torch.autograd.grad(total_a, logp_a)
 
-    # now
+    # the composition under test
     policy_loss = {"none": PPOClip(0.2, 0.2), "tis": TIS(2.0),
                    "decoupled": Decoupled(0.2, 0.2, 2.0)}[correction]
     obj = Objective(GroupNormalized("population"), policy_loss, TokenMean(), KLTerm("k3", kl_coef),

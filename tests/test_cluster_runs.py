@@ -167,10 +167,52 @@ def _watch_descendants(proc, path, seen: dict) -> None:
     kill point could be caught between fork and retitling, or missed while one restarts."""
     while not path.exists():
         assert proc.poll() is None, f"the run exited ({proc.returncode}) before {path} appeared"
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                seen[p.pid] = (p, " ".join([p.name(), *p.cmdline()]))
+        _record_descendants(proc, seen)
         time.sleep(0.2)
+
+
+def _record_descendants(proc, seen: dict) -> None:
+    """Every descendant `proc` has now, in `seen` (pid -> process, its title as read now)."""
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            seen[p.pid] = (p, " ".join([p.name(), *p.cmdline()]))
+
+
+def _sigkill_driver_when(path, cmd, log, seen: dict) -> None:
+    """Run `cmd` until `path` appears, its descendants recorded in `seen` all along, then
+    SIGKILL its driver (only the driver: what it started must go by itself)."""
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            _watch_descendants(proc, path, seen)
+            # Stopped first: steps 3 and 4 take seconds, so a running driver could finish the
+            # run (its processes gone) while the last ones are listed; stopped, it keeps them.
+            proc.send_signal(signal.SIGSTOP)
+            _record_descendants(proc, seen)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _assert_all_seen_exit(seen: dict, log: Path) -> None:
+    """Ray's processes, the replicas and vLLM's engine core were among those seen, and every
+    one of them exits (within a minute) once the driver is gone."""
+    titles = [title for _, title in seen.values()]
+    for wanted in ("ray::EngineRep", "raylet", "gcs_server"):
+        assert any(wanted in t for t in titles), (wanted, titles)
+    # vLLM's engine core: by its title, and by the pid vLLM logs (a listing can catch the
+    # process before it is retitled; the pid is certain)
+    engine_cores = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", log.read_text())}
+    assert engine_cores or any("VLLM::EngineCo" in t for t in titles), titles
+    procs = [p for p, _ in seen.values()]
+    for pid in engine_cores - set(seen):
+        with contextlib.suppress(psutil.NoSuchProcess):  # part 1's engine core is long gone
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
 
 
 def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_path, models):
@@ -194,37 +236,10 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
     assert f"Resume: python -m rlexp.run resume={run_dir}" in log.read_text()
     # 2. resumed with one worker (it trains in the driver), the driver SIGKILLed: nothing outlives it
     seen: dict[int, tuple[psutil.Process, str]] = {}
-    resumed = _resume_cmd(run_dir, "trainer.workers=1")
-    with open(log, "a") as f:
-        proc = _start(resumed, f)
-        try:
-            _watch_descendants(proc, ckpt / "step_2" / "meta.json", seen)
-            # Stopped first: steps 3 and 4 take seconds, so a running driver could finish the
-            # run (its processes gone) while the last ones are listed; stopped, it keeps them.
-            proc.send_signal(signal.SIGSTOP)
-            for p in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    seen[p.pid] = (p, " ".join([p.name(), *p.cmdline()]))
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    _sigkill_driver_when(ckpt / "step_2" / "meta.json", _resume_cmd(run_dir, "trainer.workers=1"), log, seen)
     titles = [title for _, title in seen.values()]
-    for wanted in ("ray::EngineRep", "raylet", "gcs_server"):
-        assert any(wanted in t for t in titles), (wanted, titles)
-    # vLLM's engine core: by its title, and by the pid vLLM logs (a listing can catch the
-    # process before it is retitled; the pid is certain)
-    engine_cores = {int(pid) for pid in re.findall(r"\(EngineCore pid=(\d+)\)", log.read_text())}
-    assert engine_cores or any("VLLM::EngineCo" in t for t in titles), titles
     assert not any("ray::TrainerWorker" in t for t in titles), titles  # one worker: the driver trains
-    procs = [p for p, _ in seen.values()]
-    for pid in engine_cores - set(seen):
-        with contextlib.suppress(psutil.NoSuchProcess):  # part 1's engine core is long gone
-            procs.append(psutil.Process(pid))
-    _, alive = psutil.wait_procs(procs, timeout=60)
-    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    _assert_all_seen_exit(seen, log)
     # 3. resumed with two workers: finishes, the same MLflow run, each step's loss logged once
     _finish(_resume_cmd(run_dir, "trainer.workers=2"), log)
     client, run = _run(store)

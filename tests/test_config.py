@@ -95,6 +95,9 @@ BAD_OVERRIDES = [
     ("advantage=rloo data.samples_per_prompt=1", "data.samples_per_prompt must be >= 2 for rlexp.algorithms"),
     ("agent._target_=rlexp.agents.nope.Agent", "agent._target_: cannot import 'rlexp.agents.nope.Agent'"),
     ("judge._target_=rlexp.judges.math_exact.Nope", "judge._target_: cannot import"),
+    ("judge._target_=tests.fakes.ScoreOnlyJudge",
+     "judge._target_: tests.fakes.ScoreOnlyJudge has no bind: a judge has the methods of "
+     "rlexp.protocols.Judge"),
     ("trainer.optimizer._target_=torch.optim.Adamw", "trainer.optimizer._target_: cannot import"),
     ("data.prompts_per_step=4 data.samples_per_prompt=4 trainer.minibatches_per_step=3",
      "minibatches_per_step=3 must divide the samples of a step"),
@@ -175,3 +178,14 @@ def test_check_value_reads_the_signature_annotation(value, annotation, message):
     else:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             check_value("x", value, eval(annotation))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.lr_schedule=bogus", "trainer.lr_schedule must be one of constant, cosine; got 'bogus'"),
+    ("agent=tool agent.on_prefix_break=ignore", "agent.on_prefix_break must be one of split, restart"),
+])
+def test_the_static_check_alone_refuses_a_value_whose_type_another_module_declares(override, message):
+    """`LrSchedule` and `PrefixBreak` are imported from other rlexp modules: the static check
+    reads them from those modules' source, so the error comes before torch is imported."""
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose(override.split()), static=True)

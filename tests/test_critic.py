@@ -123,11 +123,12 @@ def test_explained_variance():
 
 
 def test_the_low_level_calls_make_fit(tiny_model_path):
-    """loop=low_level's step (`fit_call_by_call`) and `fit`: the same weights (policy and
-    critic) and metrics after 5 steps, with every low-level call doing work (a recomputed
-    proximal policy, the reference for the KL in the reward, the critic, two minibatches)."""
+    """loop=low_level's step (`fit_call_by_call` from the loop) and `fit`: the same weights
+    (policy and critic) and metrics after 5 steps, each call timed in both, with every
+    low-level call doing work (a recomputed proximal policy, the reference for the KL in the
+    reward, the critic, two minibatches)."""
     from rlexp.algorithms.kl import KLTerm
-    from rlexp.loop import fit_call_by_call
+    from rlexp.trainer.controller import fit_call_by_call
 
     kw = dict(kl=KLTerm("k1", coef=0.05, where="reward"), minibatches_per_step=2)
     by_fit, by_calls = _ppo(tiny_model_path, **kw), _ppo(tiny_model_path, **kw)
@@ -135,9 +136,9 @@ def test_the_low_level_calls_make_fit(tiny_model_path):
         batch = _batch(seed=step)
         m_fit = by_fit.fit(batch, step)
         m_calls = fit_call_by_call(by_calls, batch, step)
-        assert {k for k in m_calls if k.startswith("timing/fit/")} == {
-            f"timing/fit/{c}_s" for c in ("prepare", "old_logprobs", "ref_logprobs", "values", "advantages",
-                                          "train")}
+        calls = ("prepare", "old_logprobs", "ref_logprobs", "values", "advantages", "train")
+        for m in (m_calls, m_fit):
+            assert {k for k in m if k.startswith("timing/fit/")} == {f"timing/fit/{c}_s" for c in calls}
         measured = ("timing/", "memory/")  # wall-clock, and the process's peak RSS
         assert ({k: v for k, v in m_calls.items() if not k.startswith(measured)}
                 == {k: v for k, v in m_fit.items() if not k.startswith(measured)}), step

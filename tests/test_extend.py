@@ -124,7 +124,10 @@ def test_the_cluster_check_asks_the_cluster():
 
 
 BUGGY_JUDGE = """
-class BuggyJudge:
+from rlexp.protocols import Judge
+
+
+class BuggyJudge(Judge):
     def __init__(self, fail_after: int):
         self.fail_after, self.calls = fail_after, 0
 

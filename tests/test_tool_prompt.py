@@ -82,7 +82,7 @@ def test_tool_agent_on_a_template_without_tools(smol_tokenizer):
 
 def test_template_path_leaves_the_prompt_to_the_template(smol_tokenizer):
     """Forcing `template` on a template that ignores tools: the model never sees the specs
-    (what happened before the system-prompt path existed)."""
+    (why such templates get the specs through the system prompt by default)."""
     engine = ScriptedEngine(smol_tokenizer, ["46"], max_model_len=2048)
     asyncio.run(ToolAgent(engine, smol_tokenizer, MathExactJudge(), tool_prompt="template").rollout(_task()))
     assert "calculator" not in smol_tokenizer.decode(engine.calls[0][0])

@@ -20,13 +20,13 @@ def test_micro_batches_cover_every_row_once_within_budget_longest_first():
                       trace=TokenTrace([1] * n, [1] * n, [0.0] * n, [0] * n)) for n in lengths]
     tb = TokenBatch.build(samples, version=0)
     assert tb.input_ids.shape == (6, 12) and tb.loss_mask.shape == (6, 11)
-    pieces = tb.micro_batches(list(range(6)), max_tokens=20)
-    assert sorted(i for idx, _ in pieces for i in idx.tolist()) == list(range(6))
-    for idx, width in pieces:
-        assert width == max(lengths[i] for i in idx.tolist())
-        assert len(idx) == 1 or len(idx) * width <= 20
-    assert [idx.tolist() for idx, _ in pieces] == [[5], [1, 3], [0, 2, 4]]  # 12 | 9+7 | 5+3+2
-    assert tb.pad_frac(pieces) == pytest.approx(1 - 38 / (12 + 18 + 15))
+    micro = tb.micro_batches(list(range(6)), max_tokens=20)
+    assert sorted(i for mb in micro for i in mb.rows.tolist()) == list(range(6))
+    for mb in micro:
+        assert mb.width == max(lengths[i] for i in mb.rows.tolist())
+        assert len(mb.rows) == 1 or len(mb.rows) * mb.width <= 20
+    assert [mb.rows.tolist() for mb in micro] == [[5], [1, 3], [0, 2, 4]]  # 12 | 9+7 | 5+3+2
+    assert tb.pad_frac(micro) == pytest.approx(1 - 38 / (12 + 18 + 15))
 
 
 def _trainer(path, lr=1e-3, **kw):

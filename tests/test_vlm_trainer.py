@@ -88,9 +88,9 @@ def test_freeze_vision_needs_a_vision_language_model(tmp_path):
 
 
 def test_a_sharded_vlm_refuses_a_batch_mixing_rows_with_and_without_images():
-    """Seen before the guard: 2 ranks, one's micro-batch with an image and the other's without,
-    died in gloo ("Received data size doesn't match expected size. Is there a distributed
-    collective mismatch"): only the first ran the vision encoder's all-gathers."""
+    """Unguarded, 2 ranks, one's micro-batch with an image and the other's without, die in
+    gloo ("Received data size doesn't match expected size. Is there a distributed collective
+    mismatch"): only the first runs the vision encoder's all-gathers."""
     from rlexp.trainer.policy import check_sharded_images
 
     pixels = {"pixel_values": torch.zeros(1, 3, 8, 8)}

@@ -1,9 +1,12 @@
-"""A reward function of your own: a judge is any class with `async score(sample) -> sample`."""
+"""A reward function of your own: a judge is a class with `async score(sample) -> sample`.
+Subclassing `Judge` gives it the default of the Protocol's optional method (`bind`)."""
 
 import re
 
+from rlexp.protocols import Judge
 
-class ShortAnswerJudge:
+
+class ShortAnswerJudge(Judge):
     """reward = [the reply's last number == the reference] - length_penalty * the reply's tokens."""
 
     def __init__(self, length_penalty: float = 0.001):

@@ -8,6 +8,7 @@ REINFORCE++ turns into per-token returns."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -56,16 +57,36 @@ class AdvantageInputs:
 
 
 class AdvantageEstimator(Protocol):
+    needs_values: bool  # its advantages come from a critic's values (trainer.critic must be set)
+    min_samples_per_prompt: int  # e.g. 2 for a group baseline (checked against data.samples_per_prompt)
+
     def __call__(self, x: AdvantageInputs) -> torch.Tensor:
         """[N, T] advantages (only the trained tokens' entries are used)."""
         ...
+
+    def advantages_and_returns(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The advantages and, when `needs_values`, the critic's targets (else None)."""
+        ...
+
+
+class OutcomeEstimator(ABC):
+    """An estimator from the rewards alone: no critic, so no targets for one."""
+
+    needs_values = False
+    min_samples_per_prompt = 1
+
+    @abstractmethod
+    def __call__(self, x: AdvantageInputs) -> torch.Tensor: ...
+
+    def advantages_and_returns(self, x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+        return self(x), None
 
 
 def _per_token(adv: torch.Tensor, x: AdvantageInputs) -> torch.Tensor:
     return adv[:, None].expand_as(x.mask)
 
 
-class GroupNormalized:
+class GroupNormalized(OutcomeEstimator):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): A_i = (r_i - mean_g) / (std_g + eps)
     over the completed samples of sample i's prompt group g. `std`: "population" (divide by n,
     the default), "sample" (Bessel, n-1, as verl and TRL) or "none": A_i = r_i - mean_g, Dr.GRPO
@@ -89,7 +110,7 @@ class GroupNormalized:
         return _per_token(adv, x)
 
 
-class LeaveOneOut:
+class LeaveOneOut(OutcomeEstimator):
     """RLOO (Ahmadian et al. 2024, Back to Basics, arXiv:2402.14740; Kool et al. 2019):
     A_i = r_i - mean_{j != i} r_j over the completed samples of the group = n/(n-1) (r_i - mean_g).
     A group of one sample has no baseline and gets 0."""
@@ -118,7 +139,7 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 
-class ReinforcePP:
+class ReinforcePP(OutcomeEstimator):
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): the return of token t is the sample's
     reward plus the per-token rewards from t on (gamma = 1), G_t = r + sum_{t' >= t} r_t';
     advantages are the returns whitened over every trained token of the batch (no critic, no

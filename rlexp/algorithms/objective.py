@@ -1,5 +1,15 @@
 """The composition the trainer runs: advantage estimator, policy loss, mismatch correction,
-KL term, entropy bonus and aggregation (each from its config group)."""
+KL term, entropy bonus and aggregation (each from its config group).
+
+Per trained token t of a micro-batch (`token_loss`):
+
+    l_t = keep_t * (w_t * pg_t - entropy_coef * H_t + kl.coef * KL_t)
+
+pg_t the policy loss (policy_losses.py), w_t and keep_t the mismatch correction's importance
+weight and mask (mismatch.py; 1 without one), H_t the policy's entropy, KL_t the estimate
+against the reference policy (kl.py; in the loss only with `kl.where=loss`, in the reward
+otherwise). `aggregate` turns the l_t into the micro-batch's share of the minibatch's scalar
+loss (aggregation.py), so the micro-batches' gradients sum to the minibatch's."""
 
 from __future__ import annotations
 
@@ -7,7 +17,6 @@ import torch
 
 from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs
 from rlexp.algorithms.aggregation import Aggregation, Totals
-from rlexp.algorithms.gae import GAE
 from rlexp.algorithms.kl import KLTerm
 from rlexp.algorithms.mismatch import MismatchCorrection
 from rlexp.algorithms.policy_losses import Metrics, PolicyLoss, TokenInputs
@@ -16,8 +25,12 @@ from rlexp.algorithms.policy_losses import Metrics, PolicyLoss, TokenInputs
 class Objective:
     def __init__(self, advantage: AdvantageEstimator, policy_loss: PolicyLoss, aggregation: Aggregation,
                  kl: KLTerm, mismatch: MismatchCorrection, entropy_coef: float = 0.0):
-        self.advantage, self.policy_loss, self.aggregation = advantage, policy_loss, aggregation
-        self.kl, self.mismatch, self.entropy_coef = kl, mismatch, entropy_coef
+        self.advantage = advantage
+        self.policy_loss = policy_loss
+        self.aggregation = aggregation
+        self.kl = kl
+        self.mismatch = mismatch
+        self.entropy_coef = entropy_coef
 
     @property
     def needs_recompute(self) -> bool:
@@ -26,9 +39,7 @@ class Objective:
 
     def advantages(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-token advantages, the critic's targets: GAE's returns, None without a critic)."""
-        if isinstance(self.advantage, GAE):
-            return self.advantage.advantages_and_returns(x)
-        return self.advantage(x), None
+        return self.advantage.advantages_and_returns(x)
 
     def token_loss(self, x: TokenInputs, entropy: torch.Tensor | None,
                    ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:

@@ -17,7 +17,7 @@ from rlexp.protocols import Judge
 from rlexp.sample import Sample
 
 
-class FaultyJudge:
+class FaultyJudge(Judge):
     def __init__(self, inner: Judge, raise_rate: Fraction = 0.0, hang_rate: Fraction = 0.0,
                  nan_rate: Fraction = 0.0, hang_s: float = 3600.0, seed: int = 0):
         self.inner = inner

@@ -28,7 +28,7 @@ def _question(sample: Sample) -> str:
     return users[-1] if users else ""
 
 
-class LLMJudge:
+class LLMJudge(Judge):
     """reward = weight * (s - min_score) / (max_score - min_score), s the first number in the
     grader's reply to `template` (filled with {question}, {answer}: the reference, and
     {response}), clipped to [min_score, max_score]. The grader: the policy's own engine
@@ -93,7 +93,7 @@ class LLMJudge:
         return sample
 
 
-class RewardModelJudge:
+class RewardModelJudge(Judge):
     """reward = weight * r (or sigmoid(r) with `sigmoid`), r the score a sequence-classification
     reward model (`model_path`, one label, run locally on the CPU or GPU) gives the prompt and
     the response, rendered with its tokenizer's chat template."""
@@ -129,7 +129,7 @@ class RewardModelJudge:
         return sample
 
 
-class WeightedJudge:
+class WeightedJudge(Judge):
     """reward = sum of weight_k * reward_k over the named judges (e.g. a rule and a grader);
     `reward_components` holds every judge's, as `<name>/<component>` and `<name>` (its
     reward); `correct` comes from the judge named `correct_from` (its own `correct`)."""
@@ -145,8 +145,7 @@ class WeightedJudge:
 
     def bind(self, engine: RolloutEngine, tokenizer: Any) -> None:
         for judge in self.judges.values():
-            if hasattr(judge, "bind"):
-                judge.bind(engine, tokenizer)
+            judge.bind(engine, tokenizer)
 
     async def score(self, sample: Sample) -> Sample:
         components: dict[str, float] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from rlexp.protocols import Judge
 from rlexp.sample import Sample
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -28,7 +29,7 @@ def normalize(ans: str) -> str:
     return ans
 
 
-class MathExactJudge:
+class MathExactJudge(Judge):
     """reward = correct_reward * [answer == reference] + format_reward * [an answer was found]."""
 
     def __init__(self, correct_reward: float = 1.0, format_reward: float = 0.0):
@@ -45,7 +46,7 @@ class MathExactJudge:
         return sample
 
 
-class MultiTurnJudge:
+class MultiTurnJudge(Judge):
     """Scores the final answer in the last assistant turn, discounted by the turn it came in:
     reward = correct_reward * discount ** (assistant turns - 1). Per-turn correctness is kept
     in `reward_components` (`turn_1`, `turn_2`, ...)."""

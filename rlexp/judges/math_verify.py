@@ -47,13 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from rlexp.constraints import AtLeast1
+from rlexp.protocols import Judge
 from rlexp.sample import Sample
 
 RULES = ("gsm8k", "boxed", "answer", "latex", "expr", "number")
 _PLAIN = 300  # math-verify's priority of the unanchored patterns (lower = tried first)
 
 
-class MathVerifyJudge:
+class MathVerifyJudge(Judge):
     """reward = correct_reward * [answer equivalent to reference] + format_reward * [an answer
     was found]. `workers`: processes doing the sympy work (started as needed, ~60 MB each)."""
 

@@ -8,10 +8,11 @@ import json
 from typing import Any
 
 from rlexp.data.reasoning_gym import build_dataset
+from rlexp.protocols import Judge
 from rlexp.sample import Sample
 
 
-class ReasoningGymJudge:
+class ReasoningGymJudge(Judge):
     """score = the task's `score_answer(answer, entry)` (0..1, some tasks give partial credit),
     with the task and entry from the sample's metadata (`task`, else the entry's
     `source_dataset`) and the scorer built with the problem's generator `config`, as the entry

@@ -22,6 +22,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
+from rlexp.protocols import Judge
 from rlexp.sample import Sample
 
 
@@ -41,7 +42,7 @@ def load_functions(paths: tuple[str, ...] | list[str]) -> list[Callable[..., Any
     return functions
 
 
-class RewardFunctions:
+class RewardFunctions(Judge):
     """reward = sum_i weights[i] * f_i(sample) over the functions that return a number (TRL's
     `reward_funcs` with `reward_weights`); each value is also a reward component, named by the
     function. `weights`: one per function, null: all 1.0. Correctness (`eval/accuracy`) is the

@@ -20,9 +20,8 @@ import torch
 from rlexp import orphans
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.errors import EngineDead
-from rlexp.models.local import resolve_dtype
 from rlexp.models.vlm import placeholder_ids
-from rlexp.rollout import reaper, vllm_routing
+from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.sample import Generation, SamplingConfig, stitch_routing
@@ -60,24 +59,6 @@ def _report_new(completion, seen: int, on_tokens: Callable[[list[int], list[floa
     return seen + len(ids)
 
 
-
-def _device_args(on_gpu: bool, kv_cache_gb: float, gpu_memory_utilization: float, gpus_per_replica: int,
-                 weight_transfer_backend: str | None, routing_capture: bool) -> dict[str, Any]:
-    """The engine arguments that depend on the device and on the features asked for."""
-    out: dict[str, Any] = {}
-    if routing_capture and on_gpu:
-        out["enable_return_routed_experts"] = True
-    elif routing_capture:  # a cached prompt block is not recomputed, so its routing is not seen
-        out["enable_prefix_caching"] = False
-    if weight_transfer_backend:  # vLLM's native weight transfer (e.g. ipc on GPU)
-        out["weight_transfer_config"] = {"backend": weight_transfer_backend}
-    if on_gpu:
-        out |= {"gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": gpus_per_replica}
-    else:
-        out["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
-    return out
-
-
 class VLLMEngine:
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
@@ -111,28 +92,10 @@ class VLLMEngine:
         """routing_capture: each Generation carries the experts every MoE layer chose per computed
         token (`routed_experts`): vLLM's on a GPU, rlexp's worker hook on the CPU (vllm_routing.py)."""
         on_gpu = torch.cuda.is_available()
-        kwargs: dict[str, Any] = dict(
-            model=model_path,
-            seed=seed,
-            dtype=resolve_dtype(dtype),
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            # RL ratios need logprobs of the distribution actually sampled from
-            # (after temperature / top-p), not the raw model's.
-            logprobs_mode="processed_logprobs",
-            enforce_eager=enforce_eager,
-            # Per-request seeds make rollouts reproducible; vLLM's CPU sampler crashes on
-            # them when a prefill is chunked ("CPU Generator does not use offset").
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
-            enable_sleep_mode=enable_sleep_mode and on_gpu,
-            worker_extension_cls="rlexp.rollout.vllm_worker.WorkerExtension",
-            # JSON constraints (response_format) without free whitespace: a grammar that allows
-            # it lets a model pad a reply with blank lines up to max_tokens (an engine setting)
-            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
-        )
-        kwargs |= _device_args(on_gpu, kv_cache_gb, gpu_memory_utilization, gpus_per_replica,
-                               weight_transfer_backend, routing_capture)
+        kwargs = vllm_args.engine_args(model_path, seed, dtype, max_model_len, max_num_seqs, enforce_eager,
+                                       max_num_batched_tokens, enable_sleep_mode, on_gpu)
+        kwargs |= vllm_args.device_args(on_gpu, kv_cache_gb, gpu_memory_utilization, gpus_per_replica,
+                                        weight_transfer_backend, routing_capture)
         self._start(kwargs, on_gpu)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len

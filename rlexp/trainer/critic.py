@@ -17,9 +17,9 @@ from rlexp.algorithms.gae import ClippedValueLoss
 from rlexp.constraints import AtLeast0, Positive
 from rlexp.models.local import resolve_dtype
 from rlexp.trainer import distributed
-from rlexp.trainer.fit_metrics import add, add_terms
+from rlexp.trainer.fit_metrics import MetricSums
 from rlexp.trainer.schedule import LrSchedule, lr_factor
-from rlexp.trainer.token_batch import TokenBatch
+from rlexp.trainer.token_batch import MicroBatch, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -63,36 +63,37 @@ class Critic:
         log.info("critic: %s with a value head, %d parameters", path,
                  sum(p.numel() for p in self.model.parameters()))
 
-    def _forward(self, tb: TokenBatch, idx: torch.Tensor, width: int) -> torch.Tensor:
-        ids = tb.input_ids[idx, :width].to(self.device)
+    def _forward(self, tb: TokenBatch, micro: MicroBatch) -> torch.Tensor:
+        ids = tb.input_ids[micro.rows, :micro.width].to(self.device)
         return self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
 
     @torch.no_grad()
-    def values(self, tb: TokenBatch, pieces) -> torch.Tensor:
-        """[N, L-1] values of the rows in `pieces` (0 elsewhere), before the update."""
+    def values(self, tb: TokenBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """[N, L-1] values of the rows in `micro_batches` (0 elsewhere), before the update."""
         out = torch.zeros(tb.loss_mask.shape, device=self.device)
-        for idx, width, real in pieces:
-            v = self._forward(tb, idx, width)
-            if real:
-                out[idx.to(self.device), :width - 1] = v
+        for micro in micro_batches:
+            v = self._forward(tb, micro)
+            if micro.real:
+                out[micro.rows.to(self.device), micro.columns] = v
         return out
 
-    def train_minibatch(self, tb: TokenBatch, pieces, totals: Totals, old_values: torch.Tensor,
-                        returns: torch.Tensor, aggregation: Aggregation) -> dict[str, torch.Tensor]:
+    def train_minibatch(self, tb: TokenBatch, micro_batches: list[MicroBatch], totals: Totals,
+                        old_values: torch.Tensor, returns: torch.Tensor,
+                        aggregation: Aggregation) -> MetricSums:
         """One optimizer step of the value loss over this rank's micro-batches of a minibatch,
         aggregated like the policy loss; the sums of its metrics (token means over all ranks)."""
-        part: dict[str, torch.Tensor] = {}
-        for idx, width, real in pieces:
-            idx_d, cols = idx.to(self.device), slice(0, width - 1)
-            v = self._forward(tb, idx, width)
-            mask = tb.loss_mask[idx, cols].to(self.device) if real else torch.zeros_like(v)
-            loss, terms = self.value_loss(v, old_values[idx_d, cols], returns[idx_d, cols])
+        part = MetricSums()
+        for micro in micro_batches:
+            rows, cols = micro.rows.to(self.device), micro.columns
+            v = self._forward(tb, micro)
+            mask = tb.loss_mask[micro.rows, cols].to(self.device) if micro.real else torch.zeros_like(v)
+            loss, terms = self.value_loss(v, old_values[rows, cols], returns[rows, cols])
             aggregation(loss, mask, totals).backward()
-            add_terms(part, terms | {"vf_loss": loss, "value_mean": v}, mask, totals.tokens, totals.seqs)
+            part.add_terms(terms | {"vf_loss": loss, "value_mean": v}, mask, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        add(part, "grad_norm", distributed.full_tensor(grad_norm) / max(1, distributed.rank_world()[1]))
+        part.add("grad_norm", distributed.full_tensor(grad_norm) / max(1, distributed.rank_world()[1]))
         return part
 
     def step_lr(self) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rlexp.weights.files import save_safetensors
 
@@ -59,7 +60,7 @@ def shard(model: torch.nn.Module, mixed_precision: str | None) -> None:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) parameter gathered whole on every rank (a collective); a plain
     tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def balanced_split(rows: list[int], lengths: list[int], world: int) -> list[list[int]]:
@@ -117,7 +118,17 @@ def load_model_state(model: torch.nn.Module, state: dict[str, Any], strict: bool
 
 def save_whole(named, directory: Path, filename: str, rank: int) -> None:
     """Named tensors, each gathered whole as it is reached (a collective: every rank drains
-    the iterator), written by rank 0 as one safetensors file."""
+    the iterator), written by rank 0 as one safetensors file.
+
+    Not `torch.distributed.checkpoint` (DCP), because the whole file is the contract: a
+    checkpoint's `model.safetensors` loads into any number of workers (`load_model_state`) and,
+    as it is, into the engines (`read_shared`: rollout=hf, vLLM's `reload_weights`). DCP's default
+    writer leaves per-rank `.distcp` shards and a `.metadata` file that only DCP reads back;
+    its `HuggingFaceStorageWriter` (torch 2.13) writes safetensors shards per rank and, with
+    `enable_consolidation=True`, rank 0 then reads them all back to write
+    `model-0000N-of-0000M.safetensors`: the same whole files after writing and reading the model
+    once more, under other names, without this file's atomic rename, tied-tensor copies or the
+    LoRA merge (`policy_weights` yields merged tensors by the base model's names)."""
     if rank == 0:
         save_safetensors(named, directory, filename)
     else:

@@ -181,12 +181,11 @@ class MoERouting:
         """The last forward's backward is done: the hooks route nothing until the next."""
         self._current = None
 
-    def loss_term(self, metrics: dict[str, torch.Tensor], share: torch.Tensor) -> torch.Tensor | float:
+    def loss_term(self, share: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
         """The last forward's coef * L_aux weighted by `share` (its micro-batch's part of the
-        minibatch's trained tokens, so the minibatch's terms sum to a token-weighted mean);
-        adds that mean's part to `metrics["router_aux_loss"]`."""
+        minibatch's trained tokens, so the minibatch's terms sum to a token-weighted mean), and
+        that mean's part to log as `router_aux_loss` (None: no aux loss)."""
         if self.aux is None:
-            return 0.0
+            return 0.0, None
         part = self.aux * share
-        metrics["router_aux_loss"] = metrics.get("router_aux_loss", 0.0) + part.detach()
-        return self.aux_coef * part
+        return self.aux_coef * part, part.detach()

@@ -20,6 +20,20 @@ import torch
 from rlexp.sample import Sample
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of a TokenBatch run in one forward/backward, cut to the longest row's length."""
+
+    rows: torch.Tensor  # [n] long: row indexes into the TokenBatch
+    width: int  # padded tokens per row: the longest of these rows
+    real: bool = True  # False: a masked-out filler, run only so every rank's FSDP collectives pair up
+
+    @property
+    def columns(self) -> slice:
+        """The per-token ([N, L-1]) columns these rows predict: width - 1 of them."""
+        return slice(0, self.width - 1)
+
+
 def _padded(rows: list[list], width: int, value, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
@@ -86,9 +100,9 @@ class TokenBatch:
                 inputs[key] = stacked.to(device)
         return inputs
 
-    def micro_batches(self, rows: list[int], max_tokens: int) -> list[tuple[torch.Tensor, int]]:
-        """`rows` cut into (row indices, width) pieces of at most `max_tokens` padded tokens
-        (a single longer row gets a piece alone), longest rows first."""
+    def micro_batches(self, rows: list[int], max_tokens: int) -> list[MicroBatch]:
+        """`rows` cut into micro-batches of at most `max_tokens` padded tokens (a single longer
+        row gets one alone), longest rows first."""
         order = sorted(rows, key=lambda i: -self.lengths[i])
         pieces: list[list[int]] = []
         for i in order:
@@ -96,10 +110,10 @@ class TokenBatch:
                 pieces[-1].append(i)
             else:
                 pieces.append([i])
-        return [(torch.tensor(p), self.lengths[p[0]]) for p in pieces]
+        return [MicroBatch(torch.tensor(p), self.lengths[p[0]]) for p in pieces]
 
-    def pad_frac(self, pieces: list[tuple[torch.Tensor, int]]) -> float:
+    def pad_frac(self, forwarded_batches: list[MicroBatch]) -> float:
         """Share of the forwarded positions that are padding."""
-        forwarded = sum(len(idx) * width for idx, width in pieces)
-        real = sum(self.lengths[i] for idx, _ in pieces for i in idx.tolist())
+        forwarded = sum(len(mb.rows) * mb.width for mb in forwarded_batches)
+        real = sum(self.lengths[i] for mb in forwarded_batches for i in mb.rows.tolist())
         return 1.0 - real / forwarded if forwarded else 0.0

@@ -1,0 +1,352 @@
+"""Whole runs through real vLLM and a real SQLite MLflow store that get SIGKILLed, lose their
+engine, or hit injected agent/judge faults, then resume. Each kill point is drawn at random
+(seeded, printed) after some checkpoint: mid-step, mid-evaluation or mid-save."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
+
+from rlexp.checkpoint import checkpoints
+from rlexp.trainer.critic import CRITIC_FILE
+from tests._before_run import _history, _traces
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+# Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
+PPO = ("recipe=ppo", "trainer.critic.critic_only_steps=1")  # step 1 trains the critic alone
+TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac", "memory/")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+def _cmd(store, run_dir, models, *overrides):
+    judge = "judge.inner" if "judge=faulty" in overrides else "judge"
+    return [sys.executable, "-m", "rlexp.run", "experiment=smoke", f"trainer.total_steps={STEPS}",
+            "checkpoint.every_n_steps=1", f"{judge}.format_reward=0.5",  # rewards vary: real updates
+            f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
+            "logger.experiment_name=test", "logger.trace_sample_rate=0.2",
+            f"model.cache_dir={models}", "model.warm_start_steps=40", f"hydra.run.dir={run_dir}",
+            *overrides]
+
+
+def _resume_cmd(run_dir, *overrides):
+    return [sys.executable, "-m", "rlexp.run", f"resume={run_dir}",
+            f"hydra.run.dir={run_dir}_resumed_{time.monotonic_ns()}", *overrides]
+
+
+def _start(cmd, log):
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def _finish(cmd, log, expect=0):
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        rc = proc.wait(timeout=600)
+    assert rc == expect, Path(log).read_text()[-4000:]
+
+
+def _wait_for(path: Path, proc):
+    while not path.exists():
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {path} appeared"
+        time.sleep(0.05)
+
+
+def _saves(run_dir: Path) -> set[Path]:
+    """Checkpoint directories, finished or being written (`.tmp-step_*`)."""
+    return set((run_dir / "checkpoints").glob("*step_*"))
+
+
+def _until_next_save(run_dir: Path, proc, delay: float) -> None:
+    """Wait `delay` s, or less: until the run starts writing its next checkpoint (mid-save).
+    The kill point so never lies past the run's end, however fast the machine."""
+    before, end = _saves(run_dir), time.monotonic() + delay
+    while time.monotonic() < end and not _saves(run_dir) - before:
+        time.sleep(0.02)
+
+
+def _temp_state() -> set[Path]:
+    """rlexp's temporary state: weight directories in /dev/shm, vLLM engine directories
+    (its sockets) in /tmp, and the shared-memory files those list as theirs."""
+    dirs = {*Path("/dev/shm").glob("rlexp-weights-*"), *Path(tempfile.gettempdir()).glob("rlexp-vllm-*")}
+    owned = {Path(p) for d in dirs if (d / ".owned").is_file() for p in (d / ".owned").read_text().split()}
+    return dirs | owned
+
+
+def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> set[Path]:
+    """Run `cmd` and SIGKILL its main process (a dying node) `delay` s after it wrote
+    `new_checkpoints` checkpoints (0: `delay` s after it started, e.g. while it resumes), or
+    as soon as it starts its next checkpoint if that comes first;
+    then check that the vLLM engine processes it left went down too. Returns the temporary
+    state (`_temp_state`) the killed run had."""
+    before = _temp_state()
+    done = [s for s, _ in checkpoints(run_dir)]
+    target = run_dir / "checkpoints" / f"step_{max(done, default=0) + new_checkpoints}" / "meta.json"
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            if new_checkpoints:
+                _wait_for(target, proc)
+            _until_next_save(run_dir, proc, delay)
+            proc.send_signal(signal.SIGSTOP)  # held still while its processes are listed
+            assert proc.poll() is None, "finished before the kill point"
+            engine = psutil.Process(proc.pid).children(recursive=True)
+            left = _temp_state() - before
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            gone, alive = psutil.wait_procs(engine, timeout=20)
+            assert not [p for p in alive if "VLLM" in " ".join(p.cmdline())], "orphaned vLLM engine"
+            return left
+        finally:
+            for p in psutil.process_iter():
+                try:
+                    if os.getsid(p.pid) == proc.pid:
+                        p.kill()
+                except (psutil.NoSuchProcess, ProcessLookupError):
+                    pass
+
+
+def _run(store):
+    client = MlflowClient(f"sqlite:///{store}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("test").experiment_id])
+    return client, run
+
+
+def _steps(client, run, key):
+    return [m.step for m in client.get_metric_history(run.info.run_id, key)]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, models):
+    """PPO with a critic (its weights, optimizer and lr schedule are checkpointed beside the
+    policy's). The uninterrupted run makes its updates with the trainer's low-level calls
+    (loop=low_level), the killed one with `fit`: equal numbers show both at once."""
+    ref_store, store = tmp_path / "ref", tmp_path / "killed"
+    _finish(_cmd(ref_store, ref_store / "out", models, *PPO, "loop=low_level"), tmp_path / "ref.log")
+
+    rng = random.Random(6)
+    run_dir, log = store / "out", tmp_path / "killed.log"
+    # (new checkpoints to wait for, then seconds at most: `_kill` stops at the next save):
+    # mid-step, mid-evaluation or mid-save after the 1st checkpoint; 2 checkpoints into the
+    # 1st resume; during the start of the 2nd resume (config, model, MLflow clean-up or
+    # engine start-up)
+    kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
+    print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
+    orphans = _kill(_cmd(store, run_dir, models, *PPO), log, run_dir, *kills[0])
+    assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
+    assert [p for p in orphans if p.name.startswith("psm_")], "no vLLM shared memory was listed"
+    for k, delay in kills[1:]:
+        orphans |= _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
+    _finish(_resume_cmd(run_dir), log)
+    assert not [d for d in orphans if d.exists()], "temporary files of killed runs were left behind"
+
+    (c_ref, ref), (c, run) = _run(ref_store), _run(store)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["rlexp.resumes"] in ("2", "3")  # the 3rd kill may come before the run reopened
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))  # each step exactly once
+    compared = [k for k in ref.data.metrics if not k.startswith(TIMING)]
+    assert len(compared) > 30 and set(compared) <= set(run.data.metrics)
+    assert "critic/vf_loss" in compared and "timing/fit/values_s" in ref.data.metrics
+    for key in compared:
+        assert _steps(c, run, key) == _steps(c_ref, ref, key), key
+        assert _history(c, run, key) == pytest.approx(_history(c_ref, ref, key), rel=1e-5, abs=1e-7), key
+    assert any(v != 0 for v in _history(c, run, "train/pg_loss"))  # the weights did move
+    for step in range(1, STEPS + 1):  # the same tokens were sampled and trained
+        tokens = [r["token_ids"] for r in _traces(c, run, step)]
+        assert tokens == [r["token_ids"] for r in _traces(c_ref, ref, step)], step
+    final = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    final_ref = load_file(ref_store / "out" / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    initial = load_file(next(models.glob("tiny-*")) / "model.safetensors")
+    for name, w in final_ref.items():
+        assert (final[name] - w).abs().max() <= 1e-6, name
+    critic = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / CRITIC_FILE)
+    critic_ref = load_file(ref_store / "out" / "checkpoints" / f"step_{STEPS}" / CRITIC_FILE)
+    assert max((critic[n] - w).abs().max().item() for n, w in critic_ref.items()) <= 1e-6
+    assert any((final_ref[n] != initial[n]).any() for n in initial)  # trained (lm_head is tied: not saved)
+    assert _trace_steps(c, run) == _trace_steps(c_ref, ref)  # sampled MLflow traces: none twice
+
+
+def _trace_steps(client, run):
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id,
+                                  include_spans=False, max_results=1000)
+    return sorted(int(t.info.tags["rlexp.step"]) for t in traces)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_async_run_resumes_within_the_staleness_bound(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    cmd = _cmd(store, run_dir, models, "scheduler=async", "scheduler.staleness_threshold=1")
+    _kill(cmd, log, run_dir, 2, random.Random(2).uniform(0, 1.5))
+    state = __import__("torch").load(run_dir / "checkpoints" / "step_2" / "state.pt", weights_only=False)
+    assert state["version"] == 2 and "version" not in state["scheduler"]  # the loop's, saved once
+    _finish(_resume_cmd(run_dir), log)
+    c, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
+    assert max(_history(c, run, "rollout/staleness_max")) <= 1
+    for step in range(1, STEPS + 1):
+        for row in _traces(c, run, step):
+            trained = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
+            if row["status"] == "completed":
+                assert step - 1 - min(trained) <= 1  # staleness recomputed from the trace
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_dead_engine_is_reported_and_the_run_resumes(tmp_path, models):
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    with open(log, "a") as f:
+        proc = _start(_cmd(store, run_dir, models, "trainer.total_steps=4"), f)
+        _wait_for(run_dir / "checkpoints" / "step_2" / "meta.json", proc)
+        (core,) = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
+        for p in [core] + core.children(recursive=True):
+            p.kill()
+        rc = proc.wait(timeout=120)
+    out = log.read_text()
+    assert rc == 3, out[-3000:]
+    assert "rlexp: run stopped: the vLLM engine process died" in out
+    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
+    c, run = _run(store)
+    assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
+    _finish(_resume_cmd(run_dir), log)
+    c, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_injected_faults_are_counted_and_the_run_goes_on(tmp_path, models):
+    _finish(_cmd(tmp_path, tmp_path / "out", models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
+                 "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.guard.timeout_s=3",
+                 "judge=faulty", "judge.raise_rate=0.1", "judge.nan_rate=0.1", "judge.hang_rate=0.1",
+                 "judge.guard.timeout_s=1", "max_failure_fraction=0.9"), tmp_path / "run.log")
+    c, run = _run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == [1, 2, 3]
+    assert sum(_history(c, run, "samples/failed")) > 0 and sum(_history(c, run, "samples/aborted")) > 0
+    rows = [r for step in (1, 2, 3) for r in _traces(c, run, step)]
+    reasons = {r["error"].split(" (")[0] for r in rows if r["error"]}
+    assert reasons == {"agent raised InjectedFault: injected agent fault", "agent timed out after 3s",
+                       "judge raised InjectedFault: injected judge fault", "judge timed out after 1s",
+                       "judge returned a reward that is not a finite number: nan"}
+    assert all(r["status"] == "completed" for r in rows if not r["error"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_too_many_failures_checkpoint_stop_and_resume_after_the_fix(tmp_path, models):
+    run_dir, log = tmp_path / "out", tmp_path / "run.log"
+    _finish(_cmd(tmp_path, run_dir, models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
+                 "judge=faulty", "judge.raise_rate=1.0"), log, expect=3)
+    out = log.read_text()
+    assert ("rlexp: run stopped: step 1: 16 of 16 samples failed, more than "
+            "max_failure_fraction=0.5 (most common: 16x judge raised InjectedFault: "
+            "injected judge fault)") in out
+    assert (run_dir / "checkpoints" / "step_1" / "meta.json").is_file()
+    c, run = _run(tmp_path)
+    assert run.info.status == "FAILED" and _steps(c, run, "samples/failed_frac") == [1]  # logged, kept
+    _finish(_resume_cmd(run_dir, "judge=faulty", "judge.raise_rate=0"), log)
+    c, run = _run(tmp_path)
+    assert run.info.status == "FINISHED" and _steps(c, run, "train/loss") == [2, 3]  # 1: nothing to train
+    assert _history(c, run, "samples/failed_frac") == [1.0, 0.0, 0.0]
+
+
+def _kill_at_first_checkpoint(cmd, log, run_dir: Path, holds) -> tuple[int, dict]:
+    """Start `cmd`; as each checkpoint appears, stop the run's whole process group (SIGSTOP)
+    and read the checkpoint's state: at the first one that `holds`, SIGKILL the group (a dying
+    node), else let the run go on (SIGCONT). Returns that checkpoint's step and state."""
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            for step in range(1, STEPS):
+                path = run_dir / "checkpoints" / f"step_{step}"
+                _wait_for(path / "meta.json", proc)
+                os.killpg(proc.pid, signal.SIGSTOP)
+                state = torch.load(path / "state.pt", weights_only=False)
+                print(f"checkpoint {step}:", {k: len(state["scheduler"][k]) for k in GROUP_STATES})
+                if holds(state):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return step, state
+                os.killpg(proc.pid, signal.SIGCONT)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    pytest.fail(f"no checkpoint of steps 1..{STEPS - 1} held what the test needs")
+
+
+GROUP_STATES = ("accepted", "in_flight", "set_aside")  # the async scheduler's groups not trained yet
+
+
+def _group_ids(state: dict) -> list[int]:
+    return [r.fresh[0].group_id for k in GROUP_STATES for r in state["scheduler"][k]]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp_path, models):
+    """SIGKILLed right after a checkpoint that holds groups both waiting for a batch and in
+    flight, then resumed: every prompt group the run drew is trained exactly once, still
+    pending in the final checkpoint, or counted as expired (η = 1, so groups can expire), and
+    the lengths generated and trained are logged side by side every step."""
+    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", "agent=multiturn", "judge=multiturn",
+           "rollout.max_model_len=256", "scheduler=async", "scheduler.staleness_threshold=1",
+           # launches go on during evaluation, so that the checkpoints after one (steps 2, 4) also
+           # hold groups in flight: more chances of the checkpoint this test needs
+           "scheduler.pause_for_eval=false",
+           f"trainer.total_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
+           f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
+           "logger.experiment_name=test", f"model.cache_dir={models}", "model.warm_start_steps=40",
+           f"hydra.run.dir={run_dir}"]
+    killed_at, killed = _kill_at_first_checkpoint(
+        cmd, log, run_dir, lambda s: s["scheduler"]["accepted"] and s["scheduler"]["in_flight"])
+    _finish(_resume_cmd(run_dir), log)
+
+    c, run = _run(store)
+    assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "1"
+    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
+    per_prompt = 4  # experiment=smoke: 4 prompts x 4 samples a step
+    trained: dict[int, int] = {}  # group id -> the step that trained it
+    for step in range(1, STEPS + 1):
+        rows = _traces(c, run, step)
+        assert all(r["uid"] // per_prompt == r["group_id"] for r in rows)  # numbering kept across the kill
+        groups = {r["group_id"] for r in rows}
+        assert len(groups) == 4, (step, groups)
+        for gid in groups:
+            assert gid not in trained, f"group {gid} trained at step {trained[gid]} and again at {step}"
+            trained[gid] = step
+    final = torch.load(run_dir / "checkpoints" / f"step_{STEPS}" / "state.pt", weights_only=False)
+    pending = _group_ids(final)
+    assert len(pending) == len(set(pending)) and not set(pending) & set(trained)
+    drawn = final["data"]["next_group"]
+    # expired samples: as logged each step, and since the last step's log (the final checkpoint)
+    since_last_log = final["scheduler"]["counts"].get("samples/expired", 0)
+    expired = sum(_history(c, run, "samples/expired")) + since_last_log
+    unaccounted = set(range(drawn)) - set(trained) - set(pending)
+    print(f"groups drawn {drawn}, trained {len(trained)}, pending {len(pending)}, expired samples {expired}")
+    assert len(unaccounted) * per_prompt == expired, f"neither trained nor pending: {sorted(unaccounted)}"
+    for gid in _group_ids(killed):  # waiting or in flight at the kill: trained after the resume
+        assert trained.get(gid, STEPS + 1) > killed_at, gid
+    for key in ("rollout/generated_response_length_mean", "rollout/generated_response_length_p90",
+                "rollout/response_length_mean", "rollout/response_length_p90"):
+        assert _steps(c, run, key) == list(range(1, STEPS + 1)), key
+    assert sum(_history(c, run, "rollout/generated_samples")) > 0
