@@ -1,6 +1,7 @@
 """Whole runs through real vLLM and a real SQLite MLflow store that get SIGKILLed, lose their
-engine, or hit injected agent/judge faults, then resume. Each kill point is drawn at random
-(seeded, printed) after some checkpoint: mid-step, mid-evaluation or mid-save."""
+engine, or hit injected agent/judge faults, then resume. A SIGKILL's point is drawn at random
+(seeded, printed) after some checkpoint (mid-step, mid-evaluation or mid-save) or during a
+resume's start, or it comes right at a checkpoint that holds what the test needs."""
 
 import os
 import random
@@ -26,11 +27,6 @@ STEPS = 6
 # Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
 PPO = ("recipe=ppo", "trainer.critic.critic_only_steps=1")  # step 1 trains the critic alone
 TIMING = ("timing/", "throughput/", "rollout/engine_idle_frac", "train/idle_frac", "memory/")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
 
 
 def _cmd(store, run_dir, models, *overrides):
@@ -130,34 +126,69 @@ def _steps(client, run, key):
     return [m.step for m in client.get_metric_history(run.info.run_id, key)]
 
 
+def _lose_engine(cmd, log: Path, run_dir: Path) -> tuple[int, str, set[Path]]:
+    """Run `cmd` and SIGKILL its vLLM engine process (and that one's children) once the run
+    wrote a new checkpoint. Returns the run's exit code, what it printed, and the temporary
+    state (`_temp_state`) it had."""
+    before, printed = _temp_state(), log.stat().st_size if log.exists() else 0
+    done = [s for s, _ in checkpoints(run_dir)]
+    target = run_dir / "checkpoints" / f"step_{max(done, default=0) + 1}" / "meta.json"
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            _wait_for(target, proc)
+            left = _temp_state() - before
+            children = psutil.Process(proc.pid).children()
+            (core,) = [p for p in children if "EngineCore" in " ".join(p.cmdline())]
+            for p in [core] + core.children(recursive=True):
+                p.kill()
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return rc, log.read_bytes()[printed:].decode(errors="replace"), left
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, models):
+def test_sync_run_killed_twice_and_losing_its_engine_matches_an_uninterrupted_run(tmp_path, run_models,
+                                                                                  new_store):
     """PPO with a critic (its weights, optimizer and lr schedule are checkpointed beside the
-    policy's). The uninterrupted run makes its updates with the trainer's low-level calls
-    (loop=low_level), the killed one with `fit`: equal numbers show both at once."""
-    ref_store, store = tmp_path / "ref", tmp_path / "killed"
-    _finish(_cmd(ref_store, ref_store / "out", models, *PPO, "loop=low_level"), tmp_path / "ref.log")
+    policy's), stopped three times and resumed each time: SIGKILLed after its 1st checkpoint
+    (mid-step, mid-evaluation or mid-save); its vLLM engine killed after the 1st resume's
+    first checkpoint (the run stops, says why and how to resume, and its MLflow run is
+    FAILED); SIGKILLed during the start of the 2nd resume. The uninterrupted run makes its
+    updates with the trainer's low-level calls (loop=low_level), the interrupted one with
+    `fit`: equal numbers show both at once."""
+    ref_store, store = new_store(tmp_path / "ref"), new_store(tmp_path / "killed")
+    _finish(_cmd(ref_store, ref_store / "out", run_models, *PPO, "loop=low_level"), tmp_path / "ref.log")
 
     rng = random.Random(6)
     run_dir, log = store / "out", tmp_path / "killed.log"
-    # (new checkpoints to wait for, then seconds at most: `_kill` stops at the next save):
-    # mid-step, mid-evaluation or mid-save after the 1st checkpoint; 2 checkpoints into the
-    # 1st resume; during the start of the 2nd resume (config, model, MLflow clean-up or
-    # engine start-up)
-    kills = [(1, rng.uniform(0, 2.0)), (2, rng.uniform(0, 2.0)), (0, rng.uniform(2.0, 12.0))]
-    print("kill points (new checkpoints, delay s):", [(k, round(d, 2)) for k, d in kills])
-    orphans = _kill(_cmd(store, run_dir, models, *PPO), log, run_dir, *kills[0])
+    # seconds at most (`_kill` stops at the next save): after the 1st checkpoint; into the
+    # start of the 2nd resume (config, model, MLflow clean-up or engine start-up)
+    mid_step, start_up = rng.uniform(0, 2.0), rng.uniform(2.0, 12.0)
+    print(f"kill points: {mid_step:.2f} s after the 1st checkpoint, {start_up:.2f} s into the 2nd resume")
+    orphans = _kill(_cmd(store, run_dir, run_models, *PPO), log, run_dir, 1, mid_step)
     assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
     assert [p for p in orphans if p.name.startswith("psm_")], "no vLLM shared memory was listed"
-    for k, delay in kills[1:]:
-        orphans |= _kill(_resume_cmd(run_dir), log, run_dir, k, delay)
+
+    rc, out, left = _lose_engine(_resume_cmd(run_dir), log, run_dir)
+    orphans |= left
+    assert rc == 3, out[-3000:]
+    assert "rlexp: run stopped: the vLLM engine process died" in out
+    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
+    _, stopped = _run(store)
+    assert stopped.info.status == "FAILED" and "EngineDead" in stopped.data.tags["rlexp.error"]
+
+    orphans |= _kill(_resume_cmd(run_dir), log, run_dir, 0, start_up)
     _finish(_resume_cmd(run_dir), log)
-    assert not [d for d in orphans if d.exists()], "temporary files of killed runs were left behind"
+    assert not [d for d in orphans if d.exists()], "temporary files of stopped runs were left behind"
 
     (c_ref, ref), (c, run) = _run(ref_store), _run(store)
     assert run.info.status == "FINISHED"
-    assert run.data.tags["rlexp.resumes"] in ("2", "3")  # the 3rd kill may come before the run reopened
+    assert run.data.tags["rlexp.resumes"] in ("2", "3")  # the last kill may come before the run reopened
     assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))  # each step exactly once
     compared = [k for k in ref.data.metrics if not k.startswith(TIMING)]
     assert len(compared) > 30 and set(compared) <= set(run.data.metrics)
@@ -171,7 +202,7 @@ def test_sync_run_killed_three_times_matches_an_uninterrupted_run(tmp_path, mode
         assert tokens == [r["token_ids"] for r in _traces(c_ref, ref, step)], step
     final = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
     final_ref = load_file(ref_store / "out" / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
-    initial = load_file(next(models.glob("tiny-*")) / "model.safetensors")
+    initial = load_file(Path(ref.data.params["model.resolved_path"]) / "model.safetensors")
     for name, w in final_ref.items():
         assert (final[name] - w).abs().max() <= 1e-6, name
     critic = load_file(run_dir / "checkpoints" / f"step_{STEPS}" / CRITIC_FILE)
@@ -189,83 +220,43 @@ def _trace_steps(client, run):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_async_run_resumes_within_the_staleness_bound(tmp_path, models):
-    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
-    cmd = _cmd(store, run_dir, models, "scheduler=async", "scheduler.staleness_threshold=1")
-    _kill(cmd, log, run_dir, 2, random.Random(2).uniform(0, 1.5))
-    state = __import__("torch").load(run_dir / "checkpoints" / "step_2" / "state.pt", weights_only=False)
-    assert state["version"] == 2 and "version" not in state["scheduler"]  # the loop's, saved once
-    _finish(_resume_cmd(run_dir), log)
-    c, run = _run(store)
-    assert run.info.status == "FINISHED"
-    assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
-    assert max(_history(c, run, "rollout/staleness_max")) <= 1
-    for step in range(1, STEPS + 1):
-        for row in _traces(c, run, step):
-            trained = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
-            if row["status"] == "completed":
-                assert step - 1 - min(trained) <= 1  # staleness recomputed from the trace
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_dead_engine_is_reported_and_the_run_resumes(tmp_path, models):
-    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
-    with open(log, "a") as f:
-        proc = _start(_cmd(store, run_dir, models, "trainer.total_steps=4"), f)
-        _wait_for(run_dir / "checkpoints" / "step_2" / "meta.json", proc)
-        (core,) = [p for p in psutil.Process(proc.pid).children() if "EngineCore" in " ".join(p.cmdline())]
-        for p in [core] + core.children(recursive=True):
-            p.kill()
-        rc = proc.wait(timeout=120)
-    out = log.read_text()
-    assert rc == 3, out[-3000:]
-    assert "rlexp: run stopped: the vLLM engine process died" in out
-    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
-    c, run = _run(store)
-    assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
-    _finish(_resume_cmd(run_dir), log)
-    c, run = _run(store)
-    assert run.info.status == "FINISHED"
-    assert _steps(c, run, "train/loss") == [1, 2, 3, 4]
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_injected_faults_are_counted_and_the_run_goes_on(tmp_path, models):
-    _finish(_cmd(tmp_path, tmp_path / "out", models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
-                 "agent=faulty", "agent.raise_rate=0.1", "agent.hang_rate=0.1", "agent.guard.timeout_s=3",
-                 "judge=faulty", "judge.raise_rate=0.1", "judge.nan_rate=0.1", "judge.hang_rate=0.1",
-                 "judge.guard.timeout_s=1", "max_failure_fraction=0.9"), tmp_path / "run.log")
-    c, run = _run(tmp_path)
-    assert run.info.status == "FINISHED"
-    assert _steps(c, run, "train/loss") == [1, 2, 3]
-    assert sum(_history(c, run, "samples/failed")) > 0 and sum(_history(c, run, "samples/aborted")) > 0
-    rows = [r for step in (1, 2, 3) for r in _traces(c, run, step)]
-    reasons = {r["error"].split(" (")[0] for r in rows if r["error"]}
-    assert reasons == {"agent raised InjectedFault: injected agent fault", "agent timed out after 3s",
-                       "judge raised InjectedFault: injected judge fault", "judge timed out after 1s",
-                       "judge returned a reward that is not a finite number: nan"}
-    assert all(r["status"] == "completed" for r in rows if not r["error"])
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_too_many_failures_checkpoint_stop_and_resume_after_the_fix(tmp_path, models):
+def test_too_many_failures_stop_the_run_and_resumed_with_fewer_the_faults_are_counted(tmp_path, run_models,
+                                                                                     new_store):
+    """Every sample of step 1 failing (more than max_failure_fraction) stops the run with a
+    checkpoint; resumed with the agent and the judge raising, hanging past their timeouts or
+    (the judge) returning NaN at 10% each, the run goes on: each fault counted and traced
+    with its reason, every other sample completed. The resumed run's first step is the first
+    its new vLLM engine serves (a new run's warm-up is its step-0 evaluation), so on a loaded
+    machine slow replies may time out beside the hung ones: that step may fail any share of
+    its samples (max_failure_fraction=1.0), the next three at most 0.9 each."""
+    store = new_store(tmp_path)
     run_dir, log = tmp_path / "out", tmp_path / "run.log"
-    _finish(_cmd(tmp_path, run_dir, models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
-                 "judge=faulty", "judge.raise_rate=1.0"), log, expect=3)
+    faulty = ("agent=faulty", "agent.guard.timeout_s=3", "judge=faulty", "judge.guard.timeout_s=1")
+    _finish(_cmd(store, run_dir, run_models, "trainer.total_steps=5", "checkpoint.every_n_steps=0", *faulty,
+                 "judge.raise_rate=1.0"), log, expect=3)
     out = log.read_text()
     assert ("rlexp: run stopped: step 1: 16 of 16 samples failed, more than "
             "max_failure_fraction=0.5 (most common: 16x judge raised InjectedFault: "
             "injected judge fault)") in out
     assert (run_dir / "checkpoints" / "step_1" / "meta.json").is_file()
-    c, run = _run(tmp_path)
+    c, run = _run(store)
     assert run.info.status == "FAILED" and _steps(c, run, "samples/failed_frac") == [1]  # logged, kept
-    _finish(_resume_cmd(run_dir, "judge=faulty", "judge.raise_rate=0"), log)
-    c, run = _run(tmp_path)
-    assert run.info.status == "FINISHED" and _steps(c, run, "train/loss") == [2, 3]  # 1: nothing to train
-    assert _history(c, run, "samples/failed_frac") == [1.0, 0.0, 0.0]
+
+    rates = ("agent.raise_rate=0.1", "agent.hang_rate=0.1", "judge.raise_rate=0.1", "judge.nan_rate=0.1",
+             "judge.hang_rate=0.1")
+    _finish(_resume_cmd(run_dir, "agent=faulty", "judge=faulty", *rates, "max_failure_fraction=1.0"), log)
+    c, run = _run(store)
+    assert run.info.status == "FINISHED"
+    assert _steps(c, run, "train/loss") == [2, 3, 4, 5]  # 1: nothing to train
+    failed = _history(c, run, "samples/failed_frac")
+    assert failed[0] == 1.0 and len(failed) == 5 and max(failed[2:]) <= 0.9  # the new rates took effect
+    assert sum(failed[1:]) > 0 and sum(_history(c, run, "samples/aborted")) > 0
+    rows = [r for step in (2, 3, 4, 5) for r in _traces(c, run, step)]
+    reasons = {r["error"].split(" (")[0] for r in rows if r["error"]}
+    assert reasons == {"agent raised InjectedFault: injected agent fault", "agent timed out after 3s",
+                       "judge raised InjectedFault: injected judge fault", "judge timed out after 1s",
+                       "judge returned a reward that is not a finite number: nan"}
+    assert all(r["status"] == "completed" for r in rows if not r["error"])
 
 
 def _kill_at_first_checkpoint(cmd, log, run_dir: Path, holds) -> tuple[int, dict]:
@@ -302,12 +293,14 @@ def _group_ids(state: dict) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp_path, models):
+def test_async_multiturn_run_killed_at_a_checkpoint_resumes_in_bound_training_every_prompt_once(
+        tmp_path, run_models, new_store):
     """SIGKILLed right after a checkpoint that holds groups both waiting for a batch and in
     flight, then resumed: every prompt group the run drew is trained exactly once, still
-    pending in the final checkpoint, or counted as expired (η = 1, so groups can expire), and
-    the lengths generated and trained are logged side by side every step."""
-    store, run_dir, log = tmp_path, tmp_path / "out", tmp_path / "run.log"
+    pending in the final checkpoint, or counted as expired (η = 1, so groups can expire); the
+    staleness bound holds across the resume, in the logged metric and in every trained
+    token's version; the lengths generated and trained are logged side by side every step."""
+    store, run_dir, log = new_store(tmp_path), tmp_path / "out", tmp_path / "run.log"
     cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", "agent=multiturn", "judge=multiturn",
            "rollout.max_model_len=256", "scheduler=async", "scheduler.staleness_threshold=1",
            # launches go on during evaluation, so that the checkpoints after one (steps 2, 4) also
@@ -315,10 +308,11 @@ def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp
            "scheduler.pause_for_eval=false",
            f"trainer.total_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=0",
            f"logger.tracking_uri=sqlite:///{store}/mlflow.db", f"logger.artifact_location={store}/art",
-           "logger.experiment_name=test", f"model.cache_dir={models}", "model.warm_start_steps=40",
+           "logger.experiment_name=test", f"model.cache_dir={run_models}", "model.warm_start_steps=40",
            f"hydra.run.dir={run_dir}"]
     killed_at, killed = _kill_at_first_checkpoint(
         cmd, log, run_dir, lambda s: s["scheduler"]["accepted"] and s["scheduler"]["in_flight"])
+    assert killed["version"] == killed_at and "version" not in killed["scheduler"]  # the loop's, saved once
     _finish(_resume_cmd(run_dir), log)
 
     c, run = _run(store)
@@ -326,9 +320,13 @@ def test_async_multiturn_run_killed_at_a_checkpoint_trains_every_prompt_once(tmp
     assert _steps(c, run, "train/loss") == list(range(1, STEPS + 1))
     per_prompt = 4  # experiment=smoke: 4 prompts x 4 samples a step
     trained: dict[int, int] = {}  # group id -> the step that trained it
+    assert max(_history(c, run, "rollout/staleness_max")) <= 1
     for step in range(1, STEPS + 1):
         rows = _traces(c, run, step)
         assert all(r["uid"] // per_prompt == r["group_id"] for r in rows)  # numbering kept across the kill
+        for row in rows:
+            if row["status"] == "completed":  # staleness recomputed from the trace
+                assert step - 1 - min(v for v, m in zip(row["versions"], row["loss_mask"]) if m) <= 1
         groups = {r["group_id"] for r in rows}
         assert len(groups) == 4, (step, groups)
         for gid in groups:

@@ -19,12 +19,14 @@ TRACE_FIELDS = {"prompt", "response", "token_ids", "loss_mask", "logprobs", "rew
                 "policy_version"}
 
 
-def _run_and_open(tmp_path, *overrides):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def _run_and_open(store, models, *overrides):
+    """A run in `store` (a directory holding an empty MLflow store: `new_store`), the tiny
+    model cached in `models`: its MLflow client and run, and the finished process."""
+    uri = f"sqlite:///{store}/mlflow.db"
     cmd = [sys.executable, "-m", "rlexp.run", "experiment=smoke", f"logger.tracking_uri={uri}",
-           f"logger.artifact_location={tmp_path}/artifacts", "logger.experiment_name=test",
-           f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
-           f"hydra.run.dir={tmp_path}/out", "trainer.ref_kl_every_n_steps=2", *overrides]
+           f"logger.artifact_location={store}/artifacts", "logger.experiment_name=test",
+           f"model.cache_dir={models}", "model.warm_start_steps=40",
+           f"hydra.run.dir={store}/out", "trainer.ref_kl_every_n_steps=2", *overrides]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert res.returncode == 0, res.stderr[-4000:]
@@ -63,17 +65,23 @@ def _check_mlflow(client, run, total_steps=3, trace_version=1):
         assert n_resp > 0 and row["loss_mask"][-n_resp:] == [1] * n_resp
 
 
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, run_models, new_store):
+    """The default run (sync scheduler, vLLM), made once for the tests that read it."""
+    return _run_and_open(new_store(tmp_path_factory.mktemp("sync")), run_models)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_short_vllm_run_lands_in_mlflow(tmp_path):
-    client, run, res = _run_and_open(tmp_path)
+def test_short_vllm_run_lands_in_mlflow(sync_run):
+    client, run, res = sync_run
     _check_mlflow(client, run)
     assert "vLLM engine up" in res.stderr + res.stdout
 
 
 @pytest.mark.slow
-def test_short_hf_run_lands_in_mlflow(tmp_path):
-    client, run, _ = _run_and_open(tmp_path, "rollout=hf")
+def test_short_hf_run_lands_in_mlflow(tmp_path, run_models, new_store):
+    client, run, _ = _run_and_open(new_store(tmp_path), run_models, "rollout=hf")
     _check_mlflow(client, run)
 
 
@@ -93,11 +101,12 @@ PARITY_METRICS = ["train/loss", "train/pg_loss", "train/entropy", "train/kl", "t
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_async_with_staleness_zero_reproduces_sync(tmp_path):
+def test_async_with_staleness_zero_reproduces_sync(tmp_path, run_models, new_store, sync_run):
     """Same seed: the async scheduler at threshold 0 trains on the same batches (token for
     token) and logs the same metrics as the sync scheduler, through real vLLM and MLflow."""
-    sync = _run_and_open(tmp_path / "sync")[:2]
-    async_ = _run_and_open(tmp_path / "async", "scheduler=async", "scheduler.staleness_threshold=0")[:2]
+    sync = sync_run[:2]
+    async_ = _run_and_open(new_store(tmp_path), run_models, "scheduler=async",
+                           "scheduler.staleness_threshold=0")[:2]
     _check_mlflow(*async_)
     for step in (1, 2, 3):
         a, b = _traces(*sync, step), _traces(*async_, step)
@@ -110,9 +119,10 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_async_run_stays_within_the_staleness_bound(tmp_path):
-    client, run, _ = _run_and_open(tmp_path, "scheduler=async", "scheduler.staleness_threshold=2",
-                                   "policy_loss=decoupled", "mismatch=icepop")
+def test_async_run_stays_within_the_staleness_bound(tmp_path, run_models, new_store):
+    client, run, _ = _run_and_open(new_store(tmp_path), run_models, "scheduler=async",
+                                   "scheduler.staleness_threshold=2", "policy_loss=decoupled",
+                                   "mismatch=icepop")
     _check_mlflow(client, run, trace_version=None)
     params = run.data.params  # the algorithm's choices, for the compare view
     assert (params["algorithm.policy_loss"], params["algorithm.mismatch"], params["algorithm.advantage"]) == \

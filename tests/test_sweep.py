@@ -53,11 +53,13 @@ def test_the_job_count_is_hydras_basic_sweepers(overrides):
     assert count_jobs(overrides, None) == expected
     assert expected != 0 or "interval" in overrides[0]
 
-def _sweep(tmp_path, *overrides):
+def _sweep(tmp_path, models, *overrides):
+    """A sweep into `tmp_path` (holding an empty MLflow store: `new_store`), the tiny model
+    cached in `models`."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [sys.executable, "-m", "rlexp.run", "-m", *SMALL, *overrides, f"logger.tracking_uri={uri}",
            f"logger.artifact_location={tmp_path}/artifacts", "logger.experiment_name=sweeps",
-           f"model.cache_dir={tmp_path}/models", f"hydra.sweep.dir={tmp_path}/sweep"]
+           f"model.cache_dir={models}", f"hydra.sweep.dir={tmp_path}/sweep"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=ROOT,
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     client = MlflowClient(tracking_uri=uri)
@@ -71,20 +73,28 @@ def _sweep(tmp_path, *overrides):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_staleness_sweep_parent_children_compare_and_traces(tmp_path):
-    res, client, parents, children = _sweep(tmp_path, "experiment=staleness_sweep", "trainer.total_steps=2",
+def test_staleness_sweep_parent_children_compare_and_traces(tmp_path, run_models, new_store):
+    """experiment=staleness_sweep's first and last jobs, thresholds 0 and 4 (in 2 steps no
+    group is more than 1 step stale: the bounds 1 and 2 would check what 4 does): a job dir
+    and a child run each under one parent run, compared by rlexp.compare, with MLflow traces."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=staleness_sweep"], return_hydra_config=True)
+    assert dict(cfg.hydra.sweeper.params) == {"scheduler.staleness_threshold": "0,1,2,4"}  # its 4 jobs
+    assert cfg.scheduler._target_ == "rlexp.schedulers.async_scheduler.AsyncScheduler"
+    res, client, parents, children = _sweep(new_store(tmp_path), run_models, "experiment=staleness_sweep",
+                                            "scheduler.staleness_threshold=0,4", "trainer.total_steps=2",
                                             "logger.trace_sample_rate=0.25")
     assert res.returncode == 0, res.stderr[-4000:]
     console = res.stdout + res.stderr
-    assert "progress: step 0/2 0% |" in console and "job 4/4 staleness_threshold=4, sweep ETA" in console
+    assert "progress: step 0/2 0% |" in console and "job 2/2 staleness_threshold=4, sweep ETA" in console
     assert "\r" not in console and "\x1b" not in console   # into a file: no progress-bar redraws
     assert "reset prefix cache" not in console             # vLLM's per-update INFO lines (rlexp/console.py)
     sweep = tmp_path / "sweep"
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == [
-        f"{i}_staleness_threshold={k}" for i, k in enumerate((0, 1, 2, 4))]
+        f"{i}_staleness_threshold={k}" for i, k in enumerate((0, 4))]
     (parent,) = parents
     assert parent.info.status == "FINISHED"
-    assert [c.info.run_name for c in children] == [f"staleness_threshold={k}" for k in (0, 1, 2, 4)]
+    assert [c.info.run_name for c in children] == [f"staleness_threshold={k}" for k in (0, 4)]
     for c in children:
         assert c.info.status == "FINISHED"
         assert c.data.tags["mlflow.parentRunId"] == parent.info.run_id
@@ -103,7 +113,7 @@ def test_staleness_sweep_parent_children_compare_and_traces(tmp_path):
                          text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [x for x in (sweep / "compare.md").read_text().splitlines()[2:] if x.startswith("|")]
-    assert len(rows) == 4 and "staleness_threshold=4" in rows[3]
+    assert len(rows) == 2 and "staleness_threshold=4" in rows[1]
     for png in ("compare_eval_accuracy.png", "compare_rollout_reward_mean.png"):
         assert (sweep / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "compare")}
@@ -111,9 +121,9 @@ def test_staleness_sweep_parent_children_compare_and_traces(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_job_is_logged_and_the_sweep_goes_on(tmp_path):
+def test_a_failed_job_is_logged_and_the_sweep_goes_on(tmp_path, run_models, new_store):
     # Job 1 asks for more prompts per step than the train split has: a config error.
-    res, _, parents, children = _sweep(tmp_path, "rollout=hf", "trainer.total_steps=1",
+    res, _, parents, children = _sweep(new_store(tmp_path), run_models, "rollout=hf", "trainer.total_steps=1",
                                        "data.prompts_per_step=4,100000")
     assert res.returncode == 1, res.stderr[-3000:]
     assert "1 job(s) finished, 1 failed" in res.stdout
