@@ -106,19 +106,29 @@ def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[di
 def child_block(cmd: list[str]) -> list[dict]:
     """Run one block of a bench in a child process (its own engine, nothing shared). The
     child gets `--out PATH` appended and writes its per-step records there as JSON (vLLM
-    prints to stdout, so stdout cannot carry them)."""
+    prints to stdout, so stdout cannot carry them). Each record gets `tree_peak_mb`: the peak
+    resident memory of the child's whole process tree over the block (vLLM's engine core is
+    a process of its own), sampled every 0.2 s."""
     import json
     import os
     import subprocess
     import sys
     import tempfile
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        res = subprocess.run([*cmd, "--out", out.name], capture_output=True, text=True,
-                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        if res.returncode != 0:
-            sys.exit(f"block {' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
-        return json.loads(Path(out.name).read_text())
+    import psutil
+    from peak_memory import tree_rss
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([*cmd, "--out", out.name], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        peak, tree = 0, psutil.Process(proc.pid)
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(tree))
+            time.sleep(0.2)
+        if proc.returncode != 0:
+            err.seek(0)
+            sys.exit(f"block {' '.join(cmd)} failed:\n{err.read()[-4000:]}")
+        return [{**step, "tree_peak_mb": peak / 2**20} for step in json.loads(Path(out.name).read_text())]
 
 
 def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> dict[str, list[dict]]:

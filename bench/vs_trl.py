@@ -22,7 +22,9 @@ are turned off). Each side logs to MLflow as it does for a user (rlexp: metrics 
 TRL: report_to="mlflow"). A step's time is a whole step, from one step's start to the next
 one's, logging included. The mean completion length of each side is printed: both sides cut
 completions at the same `--tokens` limit and stop at end-of-text. The last line is the headline
-ratio (rlexp_hf / TRL) at the longest setting.
+ratio (rlexp_hf / TRL) at the longest setting. Each side's peak memory is the resident size of
+its whole process tree (vLLM's engine core included), sampled every 0.2 s over a block
+(bench/common.py `child_block`), median over blocks, printed per side and over TRL's.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from common import alternate_blocks
 
-    ratios: dict[int, dict[str, float]] = {}
+    ratios: dict[int, dict[str, float]] = {}  # time and peak memory, over TRL's
     with tempfile.TemporaryDirectory() as tmp:
         for tokens in args.tokens:
             spec = spec_for(args.model, tokens, args.prompts, args.samples, Path(tmp))
@@ -151,15 +153,18 @@ def main() -> None:
                      "rlexp": [sys.executable, *me, "rlexp"]}
             res = alternate_blocks(sides, args.blocks, WARMUP)
             med = {side: statistics.median(s["whole"] for s in recs) for side, recs in res.items()}
+            peak = {side: statistics.median(s["tree_peak_mb"] for s in recs) for side, recs in res.items()}
             for side, what in SIDES.items():
                 length = statistics.mean(s["tokens"] for s in res[side])
                 print(f"  {side:<8} {what:<40} median whole step {med[side]:7.3f} s, "
-                      f"mean completion {length:5.1f} tokens")
+                      f"mean completion {length:5.1f} tokens, peak RSS {peak[side]:6.0f} MiB")
             ratios[tokens] = {side: med[side] / med["trl"] for side in ("rlexp_hf", "rlexp")}
+            ratios[tokens] |= {f"{side}_memory": peak[side] / peak["trl"] for side in ("rlexp_hf", "rlexp")}
     print()
     for tokens, r in ratios.items():
-        print(f"{tokens} tokens: rlexp rollout=vllm / TRL generate {r['rlexp']:.3f}; "
-              f"rlexp rollout=hf / TRL generate {r['rlexp_hf']:.3f}")
+        print(f"{tokens} tokens: rlexp rollout=vllm / TRL generate {r['rlexp']:.3f} (peak memory "
+              f"{r['rlexp_memory']:.3f}); rlexp rollout=hf / TRL generate {r['rlexp_hf']:.3f} (peak memory "
+              f"{r['rlexp_hf_memory']:.3f})")
     longest = ratios[max(ratios)]
     print(f"rlexp rollout=vllm / TRL generate (different generators): {longest['rlexp']:.3f}")
     print(f"ratio: {longest['rlexp_hf']:.3f}")

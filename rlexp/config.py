@@ -15,7 +15,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from rlexp.constraints import Fraction
+from rlexp.constraints import Fraction, Positive
 from rlexp.errors import CheckpointError, ConfigError
 from rlexp.guards import GUARDS
 from rlexp.signatures import static_signature
@@ -88,6 +88,7 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
     check_value("max_failure_fraction", _get(cfg, "max_failure_fraction"), Fraction)
+    check_value("sync_timeout_s", _get(cfg, "sync_timeout_s"), Positive)
     check_value("loop", _get(cfg, "loop"), Literal["fit", "low_level"])
     check_value("trainer.optimizer.lr", _get(cfg, "trainer.optimizer.lr"), Annotated[float, Gt(0)])
     samples, minibatches = derived(cfg)["samples_per_step"], cfg.trainer.minibatches_per_step
@@ -291,6 +292,8 @@ def check_value(where: str, value: Any, annotation: Any) -> None:
             return
         if len(options) == 1:
             check_value(where, value, options[0])
+        elif not any(_fits(where, value, option) for option in options):
+            raise ConfigError(f"{where} must be {' or '.join(map(_described, options))}; got {value!r}")
     elif origin is typing.Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
@@ -303,6 +306,22 @@ def check_value(where: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{where} must be a number, got {value!r} ({type(value).__name__})")
     elif annotation is str and not isinstance(value, str):
         raise ConfigError(f"{where} must be a string, got {value!r} ({type(value).__name__})")
+
+
+def _fits(where: str, value: Any, annotation: Any) -> bool:
+    try:
+        check_value(where, value, annotation)
+    except ConfigError:
+        return False
+    return True
+
+
+def _described(annotation: Any) -> str:
+    """How an error names what an option of a union takes."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(annotation)))
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
 
 
 def _check_graders(cfg: DictConfig) -> None:

@@ -12,6 +12,9 @@ The run cannot usefully go on (it stops with the reason and the resume command):
     ProgrammingError an agent or judge raised a programming error (TypeError, NameError, ...)
     EngineDead       the rollout engine's process died
     TrainerDead      a trainer worker's process died (cluster=ray, trainer.workers > 1)
+    SyncMismatch     the engine's logprobs differ from the trainer's past the bound: a weight
+                     sync did not land (rlexp/trainer/sync_check.py)
+    SyncHung         a weight sync did not finish within `sync_timeout_s`
 """
 
 from __future__ import annotations
@@ -76,3 +79,12 @@ class EngineDead(RunStopped):
 
 class TrainerDead(RunStopped):
     """A rank of the trainer group died; the group cannot go on without it."""
+
+
+class SyncMismatch(RunStopped):
+    """Tokens generated at the trainer's current policy version have logprobs the trainer's
+    weights do not give: the engine does not serve the weights the trainer pushed."""
+
+
+class SyncHung(RunStopped):
+    """A weight sync (the transfer and the engine's reload) did not finish in time."""

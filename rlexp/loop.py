@@ -42,6 +42,8 @@ from rlexp.errors import (
     EngineDead,
     ProgrammingError,
     RunStopped,
+    SyncHung,
+    SyncMismatch,
     TrainerDead,
     config_error_unwrapped,
 )
@@ -53,9 +55,25 @@ from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tr
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.trainer.controller import fit_call_by_call
-from rlexp.weights.protocols import WeightTransport
+from rlexp.weights.protocols import NamedTensors, WeightTransport
 
 log = logging.getLogger("rlexp")
+
+
+async def sync_within(transport: WeightTransport, weights: NamedTensors, engine: RolloutEngine, version: int,
+                      timeout_s: float) -> None:
+    """The transfer and the engine's reload, stopped with SyncHung past `timeout_s` (the run's
+    `sync_timeout_s`): a hung sync otherwise blocks the run forever with no error. The
+    transport's awaits (the engine's reload, Ray, vLLM's transfer calls) are cancelled; the
+    run's cleanup then shuts the engine down, a process hung in its reload included."""
+    try:
+        await asyncio.wait_for(transport.transfer(weights, engine, version), timeout_s)
+    except TimeoutError:
+        log.error("weight sync to policy version %d hung past %g s: stopping the run", version, timeout_s)
+        raise SyncHung(f"the weight sync to policy version {version} did not finish in {timeout_s:g} s "
+                       f"(sync_timeout_s): transport {type(transport).__name__}, engine "
+                       f"{type(engine).__name__}. The engine is shut down; the run's checkpoints "
+                       "are kept") from None
 
 
 def build(cfg: DictConfig, group: str, **runtime: Any) -> Any:
@@ -80,11 +98,13 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
 
 async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine: RolloutEngine,
                   trainer: Trainer, transport: WeightTransport, version: int,
-                  fit: Callable[[list[Sample], int], dict[str, float]] | None = None
-                  ) -> tuple[list[Sample], dict[str, float]]:
+                  fit: Callable[[list[Sample], int], dict[str, float]] | None = None,
+                  sync_timeout_s: float = 300.0) -> tuple[list[Sample], dict[str, float]]:
     """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
     Under the async scheduler, rollout goes on in the background during fit. `fit`: the
-    update (default `trainer.fit`; loop=low_level: `fit_call_by_call` from the loop)."""
+    update (default `trainer.fit`; loop=low_level: `fit_call_by_call` from the loop); it
+    checks the last sync on its first forward (SyncMismatch). A sync longer than
+    `sync_timeout_s` raises SyncHung."""
     t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
     batch = await scheduler.produce_batch(data, agent, version)
     t1 = time.time()
@@ -92,8 +112,8 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     train_metrics = await asyncio.to_thread(fit or trainer.fit, batch, version)
     await engine.wake_up()
     t2 = time.time()
-    await scheduler.sync_weights(engine, lambda: transport.transfer(trainer.weights(), engine, version + 1),
-                                 version + 1)
+    publish = partial(sync_within, transport, trainer.weights(), engine, version + 1, sync_timeout_s)
+    await scheduler.sync_weights(engine, publish, version + 1)
     t3 = time.time()
     busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
     metrics = rollout_metrics(batch, version) | train_metrics
@@ -228,7 +248,8 @@ class RLLoop:
         assert self.trainer and self.engine and self.transport and self.scheduler and resumed.path
         self.trainer.load(resumed.path)
         self.version = resumed.version
-        await self.transport.transfer(self.trainer.weights(), self.engine, self.version)
+        await sync_within(self.transport, self.trainer.weights(), self.engine, self.version,
+                          self.cfg.sync_timeout_s)
         resumed.restore(self.scheduler)
         self.start_step = resumed.step
         log.info("resumed at step %d (policy version %d)", self.start_step, self.version)
@@ -247,8 +268,7 @@ class RLLoop:
             final = await self.evaluate(0)
         agent = GeneratedLengths(self.agent)  # every length generated, beside the ones trained
         for step in range(self.start_step + 1, total + 1):
-            batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
-                                           self.transport, self.version, self.update)
+            batch, metrics = await self.checked_step(step, agent)
             metrics |= agent.pop_metrics()
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)
@@ -269,6 +289,28 @@ class RLLoop:
                 raise RunStopped(failure_report(batch, step, limit, str(path), str(self.run_dir)))
         return final
 
+    async def checked_step(self, step: int, agent: Agent) -> tuple[list[Sample], dict[str, float]]:
+        """`rl_step`; when its fit finds that the last sync did not land (SyncMismatch, before
+        any optimizer step), the loop's state as it was before the step is saved with the
+        trainer's weights, which are still step - 1's."""
+        assert self.scheduler and self.engine and self.trainer and self.transport
+        before = self.run_state(step - 1)
+        try:
+            return await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer, self.transport,
+                                 self.version, self.update, self.cfg.sync_timeout_s)
+        except SyncMismatch as e:
+            if step == 1:
+                raise SyncMismatch(f"step 1: {e}. Nothing was trained yet: fix the setup, start again") from e
+            path = await self.save_checkpoint(step - 1, before)
+            raise SyncMismatch(f"step {step}: {e}. The trainer's weights are intact (no optimizer step ran): "
+                               f"checkpoint of step {step - 1} saved to {path}; once the sync is fixed: "
+                               f"python -m rlexp.run resume={self.run_dir}") from e
+
+    def run_state(self, step: int) -> bytes:
+        """The loop's part of a checkpoint at `step`, snapshotted now."""
+        assert self.scheduler is not None
+        return RunState.capture(step, self.version, self.data, self.eval_data, self.scheduler).serialize()
+
     async def evaluate(self, step: int) -> dict[str, float]:
         """Roll out the held-out split with the eval agent (eval sampling settings), then score
         the batch. The scheduler launches no training rollouts meanwhile (`Scheduler.evaluating`):
@@ -286,13 +328,14 @@ class RLLoop:
             self.progress.evaluated(step, metrics["eval/accuracy"])
         return metrics
 
-    async def save_checkpoint(self, step: int) -> Path:
+    async def save_checkpoint(self, step: int, state: bytes | None = None) -> Path:
         """Everything logged up to `step` is flushed first: a checkpoint's step is the last
-        one fully in MLflow. The state is snapshotted now and written in a thread (the async
-        scheduler's rollouts go on meanwhile)."""
+        one fully in MLflow. The state (`state`: one captured earlier) is snapshotted now and
+        written in a thread (the async scheduler's rollouts go on meanwhile)."""
         assert self.tracker and self.scheduler and self.trainer
         self.tracker.flush()
-        state = RunState.capture(step, self.version, self.data, self.eval_data, self.scheduler).serialize()
+        if state is None:
+            state = self.run_state(step)
         return await asyncio.to_thread(checkpoint.save, self.run_dir, step, self.trainer, state,
                                        self.tracker.run_id, self.cfg.checkpoint.keep_last)
 

@@ -61,6 +61,16 @@ class SamplingConfig:
         return out
 
 
+RESHAPING = ("constraint", "frequency_penalty", "presence_penalty", "logit_bias")  # requested() keys
+
+
+def reshapes(requested: dict[str, Any]) -> bool:
+    """A request's settings (`SamplingConfig.requested()`) make the sampling distribution other
+    than the model's at the run's temperature: the engine's logprobs are of that distribution,
+    which the trainer's forward does not compute (guided decoding masks the logits first)."""
+    return any(k in requested for k in RESHAPING)
+
+
 @dataclass
 class Generation:
     """What a RolloutEngine returns for one prompt: token-in/token-out."""
@@ -161,6 +171,16 @@ class TokenTrace:
                            "mask": int(generation is not None)})
         if generation is not None and generation.routed_experts is not None:
             self.routed_experts = stitch_routing(self.routed_experts, generation.routed_experts)
+
+    def model_sampled(self) -> list[int]:
+        """Per token 1, or 0 in a turn whose request reshaped the distribution (`reshapes`):
+        where the engine's logprob is the model's own, for the weight-sync check to compare."""
+        out = [1] * len(self.tokens)
+        for turn in self.turns:
+            if reshapes(turn.get("sampling", {})):
+                start, end = turn["span"]
+                out[start:end] = [0] * (end - start)
+        return out
 
     def copy(self) -> TokenTrace:
         """Copies of the lists (cheap); the turn records and routing arrays are never mutated

@@ -30,6 +30,7 @@ from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer import distributed
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.critic import Critic
+from rlexp.trainer.sync_check import SyncCheck
 
 AGGREGATIONS = {"token_mean": TokenMean(), "seq_mean_token_sum": SeqMeanTokenSum(),
                 "seq_mean_token_mean": SeqMeanTokenMean(), "seq_mean_token_sum_norm": SeqMeanTokenSumNorm(16)}
@@ -130,7 +131,8 @@ def main() -> None:
                                   advantage=GAE(lam=0.95) if a.critic else GroupNormalized(),
                                   critic=partial(Critic, optimizer=optimizer) if a.critic else None,
                                   routing_replay="rollout" if routing else "none",
-                                  freeze_vision=a.freeze_vision)
+                                  freeze_vision=a.freeze_vision, sync_check=partial(SyncCheck, bound="off"),
+                                  logits_chunk_tokens=16)  # FSDP2 with the head checkpointed per chunk
         if a.load:
             trainer.load(Path(a.load) / f"mb{mb}")
         batches = [make_vlm_batch(a.model, a.first_seed + i) if a.vlm

@@ -4,10 +4,19 @@ a component: the real engines have their own tests)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+from functools import partial
 
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.trainer.sync_check import SyncCheck
+from rlexp.weights.files import WEIGHTS_FILE
+from rlexp.weights.ram_file import RamFileTransport
+
+# The trainer's sync check measured and logged, never stopping: for hand-made samples, whose
+# logprobs are no engine's (trainer.sync_check.bound=off)
+UNCHECKED = partial(SyncCheck, bound="off")
 
 
 class ScriptedEngine:
@@ -126,3 +135,30 @@ class ScoreOnlyJudge:
     async def score(self, sample):
         sample.reward = self.correct_reward
         return sample
+
+
+class StopsSending(RamFileTransport):
+    """ram_file that writes the weights only for the first `sends` syncs; after that it still
+    has the engine reload (the file it holds, stale) and announce the new version: a transport
+    that returns without sending."""
+
+    def __init__(self, directory: str | None = None, cluster=None, sends: int = 1):
+        super().__init__(directory, cluster)
+        self.sends = sends
+
+    async def transfer(self, weights, engine, version: int) -> None:
+        if self.sends > 0:
+            self.sends -= 1
+            self.file.write((name, t.to("cpu", copy=False)) for name, t in weights)
+        await engine.load_weights(self.directory, version)
+
+
+class HangsInReload(RamFileTransport):
+    """ram_file whose engine reload never finishes: the engine's workers open a FIFO as the
+    weights file and wait for a writer that never comes (a hung transfer, inside the engine)."""
+
+    async def transfer(self, weights, engine, version: int) -> None:
+        fifo_dir = self.directory / "hang"  # removed with the transport's directory
+        fifo_dir.mkdir(exist_ok=True)
+        os.mkfifo(fifo_dir / WEIGHTS_FILE)
+        await engine.load_weights(fifo_dir, version)

@@ -45,7 +45,7 @@ def truncated_is_pg_loss(logp, behav_logp, adv, cap):
 
 def k3_kl(logp, ref_logp):
     delta = ref_logp - logp
-    return torch.exp(delta) - delta - 1.0
+    return torch.expm1(delta) - delta  # exp(delta) - 1 - delta, without cancellation near 0
 
 
 def totals_of(mask):

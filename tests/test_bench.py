@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.vllm
 def test_rollout_overhead_bench_runs_and_reports_a_ratio():
     res = subprocess.run(
-        [sys.executable, "bench/rollout_overhead.py", "--reps", "2", "--prompts", "4", "--samples", "2",
-         "--warm-start-steps", "0", "--max-tokens", "4"],
+        [sys.executable, "bench/rollout_overhead.py", "--reps", "2", "--batches", "1", "--prompts", "4",
+         "--samples", "2", "--warm-start-steps", "0", "--max-tokens", "4"],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [x for x in res.stdout.splitlines() if x.startswith("rollout throughput ratio")]

@@ -13,6 +13,7 @@ from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.critic import CRITIC_FILE, Critic, explained_variance
 from rlexp.weights.files import WEIGHTS_FILE
+from tests.fakes import UNCHECKED
 
 
 def _adamw(lr):
@@ -25,7 +26,8 @@ def _ppo(path, critic_only_steps=0, micro_batch_tokens=8192, **kw):
     critic = functools.partial(Critic, optimizer=_adamw(1e-3), critic_only_steps=critic_only_steps)
     return TrainController(path, temperature=1.0, optimizer=_adamw(1e-3), total_steps=4,
                            advantage=GAE(lam=0.9), critic=critic, old_logprobs="recompute",
-                           ref_kl_every_n_steps=0, micro_batch_tokens=micro_batch_tokens, **kw)
+                           ref_kl_every_n_steps=0, micro_batch_tokens=micro_batch_tokens,
+                           sync_check=UNCHECKED, **kw)
 
 
 def _batch(seed=0, n=8):

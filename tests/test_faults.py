@@ -17,7 +17,7 @@ from rlexp.metrics import rollout_metrics
 from rlexp.sample import Sample, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler, collect, rollout_group
-from tests.fakes import TimedEngine, VersionOnlyTransport
+from tests.fakes import UNCHECKED, TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 
 HANG_FAILSAFE_S = 60  # turns a guard that never fires (the hangs are endless) into a failure
@@ -124,7 +124,7 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     from rlexp.trainer.controller import TrainController
 
     trainer = TrainController(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
-                              ref_kl_every_n_steps=0)
+                              ref_kl_every_n_steps=0, sync_check=UNCHECKED)
     batch = _group(3)
     for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
         s.reward, s.status = r, st

@@ -42,7 +42,8 @@ def models(tmp_path_factory):
 
 def _sweep_cmd(store: Path, models: Path, cpus: str, *overrides: str) -> list[str]:
     """A sweep of 2-step runs; each job asks for all the node's CPUs, so they run one at a time."""
-    return [sys.executable, "-m", "rlexp.run", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+    return [sys.executable, "-X", "faulthandler", "-m", "rlexp.run", "-m", "hydra/launcher=slurm",
+            "hydra.launcher.gpus_per_node=0",
             f"hydra.launcher.cpus_per_task={cpus}", "hydra.launcher.mem_gb=4",
             "experiment=smoke", "rollout=hf", "trainer.total_steps=2", "checkpoint.every_n_steps=0",
             "model.warm_start_steps=40", f"model.cache_dir={models}", "scheduler=async",
@@ -71,7 +72,15 @@ def launch(slurm, models, tmp_path):
 
 
 def _finish(proc: subprocess.Popen, store: Path) -> str:
-    proc.wait(timeout=FAILSAFE_S)
+    """The launcher's log once it exited. One still running past the failsafe is aborted: its
+    faulthandler writes every thread's stack into the log, which the failure shows."""
+    try:
+        proc.wait(timeout=FAILSAFE_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait()
+        raise AssertionError("the launcher did not exit; its log, with its stacks when aborted:\n"
+                             + (store / "launcher.log").read_text()[-12000:]) from None
     return (store / "launcher.log").read_text()
 
 

@@ -1,5 +1,6 @@
 """LoRA end to end on the engine side: after a sync, vLLM serving the merged weights gives
-the trainer's logprobs (the adapters are what moved)."""
+the trainer's logprobs (the adapters are what moved); a push of the base weights alone, the
+adapters not merged, stops the next fit (the sync check)."""
 
 import asyncio
 
@@ -10,8 +11,24 @@ from rlexp.chat.render import render_prompt
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 from rlexp.trainer.controller import TrainController
 from rlexp.weights.ram_file import RamFileTransport
+from tests import sync_faults
+from tests.conftest import vllm_on_thread
 
+pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def vllm(tiny_model_path):
+    """(engine, run): one engine of the tiny model for the module (conftest.vllm_on_thread)."""
+    with vllm_on_thread(tiny_model_path, 600, seed=0, max_model_len=256, kv_cache_gb=0.25,
+                        max_num_seqs=32) as engine_run:
+        yield engine_run
+
+
+def _lora_trainer(path: str) -> TrainController:
+    return TrainController(path, temperature=TEMPERATURE, total_steps=2, ref_kl_every_n_steps=0,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), lora={"rank": 8})
 
 
 def _logprob_diff(trainer, prompts, gens) -> float:
@@ -26,23 +43,20 @@ def _logprob_diff(trainer, prompts, gens) -> float:
                for p, g, lp in zip(prompts, gens, ours))
 
 
-@pytest.mark.vllm
-def test_vllm_serves_the_lora_policy_after_a_sync(tiny_model_path, tokenizer):
-    from rlexp.rollout.vllm_engine import VLLMEngine
-
-    trainer = TrainController(tiny_model_path, temperature=TEMPERATURE, total_steps=1, ref_kl_every_n_steps=0,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), lora={"rank": 8})
+def test_vllm_serves_the_lora_policy_after_a_sync(vllm, tiny_model_path, tokenizer):
+    engine, run = vllm
+    trainer = _lora_trainer(tiny_model_path)
     adapters = [p for p in trainer.model.parameters() if p.requires_grad]
     assert adapters and all(p.ndim == 2 and 8 in p.shape for p in adapters)
+    base = [(n, t.clone()) for n, t in trainer.weights()]  # lora_B starts at 0: the base model
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q}]) for q in ("12+3=", "7+25=", "0+0=")]
     sampling = SamplingConfig(temperature=TEMPERATURE, top_p=1.0, max_tokens=12, seed=5)
 
     async def main():
-        engine = VLLMEngine(tiny_model_path, seed=0, max_model_len=256, kv_cache_gb=0.25, max_num_seqs=32)
         transport = RamFileTransport()
         try:
             gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
-            before = _logprob_diff(trainer, prompts, gens)  # lora_B starts at 0: the base model
+            before = _logprob_diff(trainer, prompts, gens)
             with torch.no_grad():  # move only the adapters
                 for p in adapters:
                     p.add_(torch.randn_like(p) * 0.2)
@@ -52,11 +66,22 @@ def test_vllm_serves_the_lora_policy_after_a_sync(tiny_model_path, tokenizer):
             gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
             return before, moved, _logprob_diff(trainer, prompts, gens)
         finally:
+            await transport.transfer(base, engine, 0)  # the module's engine as found
             transport.close()
-            engine.shutdown()
 
-    before, moved, after = asyncio.run(main())
+    before, moved, after = run(main())
     print(f"max |logprob diff| trainer vs vLLM: before {before:.2e}, adapters moved {moved:.2e}, "
           f"after the sync {after:.2e}")
     assert moved > 1e-2  # the adapters change the policy: the test can tell them apart
     assert before < 1e-5 and after < 1e-5
+
+
+def test_a_push_of_the_unmerged_base_weights_stops_the_next_fit(vllm, tiny_model_path, tokenizer):
+    """A real LoRA update (only the adapters move), then the base weights pushed without
+    them: the engine still serves the base model, the next fit stops with SyncMismatch; with
+    the check off it would have trained on."""
+    engine, run = vllm
+    prompts = sync_faults.history_prompts(tokenizer, ["4+13=", "4+13=", "21+5=", "21+5="])
+    out = sync_faults.plant(sync_faults.lora_not_merged, _lora_trainer(tiny_model_path), engine, run, prompts,
+                            TEMPERATURE)
+    sync_faults.assert_caught("lora_not_merged", out)

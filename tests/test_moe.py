@@ -18,7 +18,9 @@ import torch
 from rlexp.chat.render import render_prompt
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.trainer.routing_replay import replay_routing, replayed, routers
+from tests import sync_faults
 from tests.conftest import vllm_on_thread
+from tests.fakes import UNCHECKED
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -141,6 +143,22 @@ def _compare(model, tokens: list[int], routing, engine_lp: torch.Tensor, scored:
     return int(same.sum()), same.numel(), *diffs
 
 
+def test_a_reload_that_skips_the_experts_repack_stops_the_next_fit(moe_path, engines, rollouts):
+    """A real update, then the weights pushed through vLLM's own reload, which leaves the CPU
+    experts un-repacked (rlexp/weights/vllm_private.py; tests/sync_faults.py): the next fit
+    stops with SyncMismatch; with the check off it would have trained on. Runs before the
+    float32 engine is swapped for the bfloat16 one (one engine at a time)."""
+    from rlexp.trainer.controller import TrainController
+
+    prompts, _ = rollouts("float32")  # made at version 0, before this test's pushes
+    engine, run = engines("float32")
+    trainer = TrainController(moe_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
+                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    out = sync_faults.plant(sync_faults.experts_not_repacked, trainer, engine, run,
+                            [prompts[0], prompts[0], prompts[1], prompts[1]], temperature=1.0, max_tokens=6)
+    sync_faults.assert_caught("experts_not_repacked", out)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_captured_routing_is_the_models_and_replaying_it_gives_vllms_logprobs(moe_path, engines, rollouts,
                                                                               dtype):
@@ -213,7 +231,8 @@ def test_the_trainer_replays_the_samples_routing_and_reports_the_routing_mismatc
     prompts, gens = rollouts("float32")
     trainer = TrainController(moe_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
                               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), routing_replay=replay,
-                              lora={"rank": lora_rank, "alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+                              lora={"rank": lora_rank, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+                              sync_check=UNCHECKED)  # the shifted ids move replay's logprobs off the engine's
     engine = [torch.tensor(g.logprobs) for g in gens]
     ours = trainer.sample_logprobs(_samples(prompts, gens))
     assert max((lp[len(p):] - e).abs().max().item() for p, lp, e in zip(prompts, ours, engine)) < 1e-4

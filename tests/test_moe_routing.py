@@ -7,6 +7,7 @@ import pytest
 
 from rlexp.metrics import expert_load, rollout_metrics
 from rlexp.sample import Generation, Sample, Status, TokenTrace, stitch_routing
+from tests.fakes import UNCHECKED
 
 
 def test_expert_load_is_the_busiest_experts_share_per_layer_and_counts_the_bytes():
@@ -116,7 +117,7 @@ def _trainer(path: str, lr: float, **kw):
 
     torch.manual_seed(0)
     return TrainController(path, temperature=1.0, total_steps=50, ref_kl_every_n_steps=0,
-                           optimizer=partial(torch.optim.SGD, lr=lr), **kw)
+                           optimizer=partial(torch.optim.SGD, lr=lr), sync_check=UNCHECKED, **kw)
 
 
 def _router_logits(model, batch, ids=None):

@@ -46,3 +46,29 @@ def test_paths_a_directory_owns_go_with_it(tmp_path):
     os.close(lock)
     assert orphans.reap("rlexp-test-", str(tmp_path)) == [directory]
     assert not elsewhere.exists() and not directory.exists()
+
+
+def test_stopping_the_reaper_kills_the_watched_processes_that_outlive_the_grace(monkeypatch):
+    """A process of the engine's that is still running after the engine's shutdown (here: one
+    that sleeps) is killed when the reaper stops, which returns once it is gone. One that
+    exits by itself within the grace is not killed, and a reused pid (another start time) is
+    never touched."""
+    import psutil
+
+    from rlexp.rollout import reaper
+
+    monkeypatch.setattr(reaper, "EXIT_GRACE_S", 0.5)
+    before = reaper.snapshot()
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    quick = subprocess.Popen([sys.executable, "-c", "pass"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    r = reaper.start(before)
+    assert {pid for pid, _ in r.watched} == {hung.pid, quick.pid, other.pid}
+    r.watched = [(pid, t + 1.0) if pid == other.pid else (pid, t) for pid, t in r.watched]  # a reused pid
+    quick.wait()
+    reaper.stop(r)
+    assert hung.poll() == -signal.SIGKILL
+    assert quick.returncode == 0 and psutil.Process(other.pid).status() != psutil.STATUS_ZOMBIE
+    assert r.process.poll() is not None  # the reaper itself is gone
+    other.kill()
+    other.wait()

@@ -12,6 +12,7 @@ from rlexp.algorithms.policy_losses import TIS, Decoupled, PPOClip
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.token_batch import TokenBatch
+from tests.fakes import UNCHECKED
 
 
 def test_micro_batches_cover_every_row_once_within_budget_longest_first():
@@ -31,7 +32,7 @@ def test_micro_batches_cover_every_row_once_within_budget_longest_first():
 
 def _trainer(path, lr=1e-3, **kw):
     opt = lambda params: torch.optim.SGD(params, lr=lr)  # noqa: E731
-    return TrainController(path, temperature=0.7, optimizer=opt, total_steps=1, **kw)
+    return TrainController(path, temperature=0.7, optimizer=opt, total_steps=1, sync_check=UNCHECKED, **kw)
 
 
 def _batch(tokenizer, texts):
@@ -111,7 +112,7 @@ def test_failed_samples_without_tokens_do_not_break_logprobs(tiny_model_path, to
 def test_no_signal_means_no_update(tiny_model_path, tokenizer):
     batch = _batch(tokenizer, [("1+1=", [("2", 1.0), ("2", 1.0)]), ("2+2=", [("5", 0.0), ("3", 0.0)])])
     trainer = TrainController(tiny_model_path, temperature=1.0, total_steps=2, ref_kl_every_n_steps=0,
-                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), sync_check=UNCHECKED)
     batch[0].reward = 0.0  # first step has signal: Adam builds momentum
     trainer.fit(batch, 0)
     batch[0].reward = 1.0
@@ -175,7 +176,7 @@ def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
     def make():
         return TrainController(tiny_model_path, temperature=1.0, total_steps=10, ref_kl_every_n_steps=0,
                                lr_schedule="cosine", warmup_steps=3,
-                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), sync_check=UNCHECKED)
 
     a = make()
     a.fit(_batch(tokenizer, texts), 0)

@@ -11,12 +11,17 @@ import torch.distributed as dist
 
 from rlexp.trainer.controller import TrainController
 from tests.dist_fit import make_batch
+from tests.fakes import UNCHECKED
 
 GPU = pytest.param("cuda", marks=[pytest.mark.gpu,
                                   pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
 
 
-@pytest.fixture(params=[GPU, "cpu"])
+# the CPU's gloo group is CI's (a machine with CUDA runs the cuda one: FSDP2 there asks for CUDA streams)
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CI's; CUDA here"))
+
+
+@pytest.fixture(params=[GPU, CPU])
 def group(request, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,7 +38,7 @@ def group(request, monkeypatch):
 
 def _trainer(path, **kw):
     return TrainController(path, temperature=0.7, optimizer=partial(torch.optim.AdamW, lr=1e-4),
-                           total_steps=4, ref_kl_every_n_steps=1, **kw)
+                           total_steps=4, ref_kl_every_n_steps=1, sync_check=UNCHECKED, **kw)
 
 
 def test_fsdp2_bf16_keeps_fp32_master_weights_and_trains(group, tiny_model_path):
@@ -68,4 +73,18 @@ def test_lora_under_fsdp2_trains_only_adapters(group, tiny_model_path):
     trainer.fit(make_batch(1), 1)
     after = dict(trainer.weights())
     assert sorted(after) == sorted(before)
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mixed_precision_in_one_process_autocasts_on_gpu_with_the_head_in_chunks(tiny_model_path):
+    """No group: torch.autocast bf16 on CUDA, fp32 master weights; the head scored in chunks."""
+    trainer = _trainer(tiny_model_path, mixed_precision="bfloat16", logits_chunk_tokens=64)
+    assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in trainer.model.parameters())
+    before = {k: v.clone() for k, v in trainer.weights()}
+    metrics = trainer.fit(make_batch(0), 0)
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    after = dict(trainer.weights())
+    assert all(t.dtype == torch.float32 for t in after.values())
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 0

@@ -14,6 +14,7 @@ import torch
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.distributed import balanced_split
 from tests.dist_fit import make_batch
+from tests.fakes import UNCHECKED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,13 @@ def test_two_ranks_update_like_one_process(runs, minibatches):
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=1e-6)
         assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
         assert m2["train/response_tokens"] == m1["train/response_tokens"]
+        assert m2["sync/tokens"] == m1["sync/tokens"]  # every rank's tokens gathered for the check
+        for key in ("sync/logprob_diff_max", "sync/logprob_diff_p99", "sync/logprob_diff_mean"):
+            assert (key in m2) == (key in m1), key
+            assert m2.get(key, 0) == pytest.approx(m1.get(key, 0), rel=1e-4), key
+    # the batches carry version 0: the first fit compares them all, the second (version 1) none
+    assert one["metrics"][0]["sync/tokens"] == sum(s.response_length for s in make_batch(0))
+    assert one["metrics"][1]["sync/tokens"] == 0
     assert two["metrics"][0]["memory/rank_0/peak_mb"] > 0
 
 
@@ -151,7 +159,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_and_on_two(runs, minibatches):
 def _trainer(path, **kw):
     torch.manual_seed(0)
     return TrainController(path, temperature=0.7, optimizer=partial(torch.optim.SGD, lr=0.5), total_steps=2,
-                           ref_kl_every_n_steps=1, **kw)
+                           ref_kl_every_n_steps=1, sync_check=UNCHECKED, **kw)
 
 
 def test_lora_trains_only_adapters_and_publishes_merged_weights(tiny_model_path, tmp_path):

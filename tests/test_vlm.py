@@ -170,7 +170,7 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
     parity_before = worst(before)
     for s in before:
         s.reward = float(s.uid % 2)  # a signal to train on, whatever the judge said
-    metrics = trainer.fit(before, version=0)
+    metrics = trainer.fit(before, version=vllm.engine.version)  # the version that made them: checked
     pushed = dict(trainer.weights())
     assert any("vision_model" in name for name in pushed) != freeze_vision
     save_safetensors(pushed.items(), tmp_path)
@@ -180,7 +180,7 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
           f"max |logprob diff| {parity_before:.2e} "
           f"before a step, {parity_after:.2e} after it and a weight push (the old samples now {moved:.2e} "
           f"off)")
-    assert metrics["train/skipped_step"] == 0.0
+    assert metrics["train/skipped_step"] == 0.0 and metrics["sync/tokens"] > 0  # the sync was checked
     assert parity_before < 1e-4 and parity_after < 1e-4 and moved > 100 * max(parity_after, 1e-5)
 
 
@@ -272,7 +272,7 @@ def test_multi_turn_image_conversations_keep_the_trainers_logprobs_before_and_af
                for s in before)
     assert all(sum(t["mask"] for t in s.trace.turns) == 3 for s in before)
     parity_before = worst(before)
-    trainer.fit(before, version=0)
+    assert trainer.fit(before, vllm.engine.version)["sync/tokens"] == sum(sum(s.loss_mask) for s in before)
     save_safetensors(trainer.weights(), tmp_path)
     vllm.run(vllm.engine.load_weights(tmp_path, version=vllm.engine.version + 1))
     parity_after, moved = worst(rollouts()), worst(before)

@@ -16,6 +16,7 @@ import torch
 
 from rlexp.trainer.controller import TrainController
 from tests.dist_fit import make_vlm_batch
+from tests.fakes import UNCHECKED
 from tests.test_trainer_ranks import _fit, _max_diff
 
 VISION = "model.vision_model."  # Idefics3's vision encoder, as the engine names its tensors
@@ -40,7 +41,7 @@ def base(vlm_path) -> dict[str, torch.Tensor]:
 def _trainer(path, **kw) -> TrainController:
     torch.manual_seed(0)
     return TrainController(path, temperature=1.0, optimizer=partial(torch.optim.SGD, lr=0.5), total_steps=2,
-                           ref_kl_every_n_steps=0, **kw)
+                           ref_kl_every_n_steps=0, sync_check=UNCHECKED, **kw)
 
 
 def _state(trainer) -> dict[str, torch.Tensor]:

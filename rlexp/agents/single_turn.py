@@ -13,11 +13,15 @@ from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:
     """The engine seed for one sample's `turn`-th call: from the sampling seed and the
     sample's own seed (set by the DataManager), so rollouts reproduce whatever order
-    requests finish in."""
+    requests finish in. A group's first calls get consecutive seeds (its samples' seeds are
+    consecutive), so an engine can send the group as one request with n > 1 whose samples
+    each get the tokens of their own request (rlexp/rollout/vllm_groups.py)."""
     if base is None:
         return None
-    key = (base, sample.metadata.get("seed", sample.uid)) + ((turn,) if turn else ())
-    return hash(key) & 0x7FFFFFFF
+    key = sample.metadata.get("seed", sample.uid)
+    if turn:
+        return hash((base, key, turn)) & 0x7FFFFFFF
+    return (hash((base,)) & 0x3FFFFFFF) + key
 
 
 class PromptCache:
@@ -51,6 +55,9 @@ class SingleTurnAgent:
         self.sampling = sampling or engine.sampling
         self.render = PromptCache(tokenizer)
         self.render_images = ImagePrompts(tokenizer)
+        # what skip_special_tokens skips: a reply without any of them decodes once
+        self._special = frozenset(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
 
     async def rollout(self, sample: Sample) -> Sample:
         sampling = replace(self.sampling, seed=request_seed(self.sampling.seed, sample))
@@ -60,12 +67,14 @@ class SingleTurnAgent:
         else:
             text, prompt = self.render(sample.prompt)
             gen = await self.engine.generate(prompt, sampling)
-        sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        # a turn's text is what its span decodes to, special tokens included (as on every agent)
+        turn_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        has_special = not self._special.isdisjoint(gen.token_ids)
+        sample.response_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True) \
+            if has_special else turn_text
         sample.trace = TokenTrace()
         sample.trace.append(prompt, role="prompt", text=text)
-        # a turn's text is what its span decodes to, special tokens included (as on every agent)
-        sample.trace.append(gen.token_ids, role="assistant", generation=gen,
-                            text=self.tokenizer.decode(gen.token_ids, skip_special_tokens=False))
+        sample.trace.append(gen.token_ids, role="assistant", generation=gen, text=turn_text)
         sample.finish_reason = gen.finish_reason
         if gen.finish_reason == "abort":
             sample.status = Status.ABORTED

@@ -50,9 +50,11 @@ class DataManager:
             p = self._next_problem()
             gid, self._next_group = self._next_group, self._next_group + 1
             # A per-sample seed fixed by (seed, group, index): the same run config rolls out the
-            # same tokens whatever the order in which requests are issued or finish.
+            # same tokens whatever the order in which requests are issued or finish. Consecutive
+            # within a group, so that its requests can go out as one (agents.single_turn.request_seed).
+            first = hash((self.seed, gid)) & 0x7FFFFFFF
             groups.append([Sample(group_id=gid, prompt=p.messages, answer=p.answer, uid=self._next_uid + i,
-                                  metadata=p.metadata | {"seed": hash((self.seed, gid, i)) & 0x7FFFFFFF})
+                                  metadata=p.metadata | {"seed": first + i})
                            for i in range(self.samples_per_prompt)])
             self._next_uid += self.samples_per_prompt
         return groups

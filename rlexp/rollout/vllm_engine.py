@@ -23,7 +23,9 @@ from rlexp.errors import EngineDead
 from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
+from rlexp.rollout.vllm_outputs import reply, report_new
 from rlexp.sample import Generation, SamplingConfig, stitch_routing
 from rlexp.weights.protocols import EngineProcess, in_process
 
@@ -48,15 +50,6 @@ def _env(**values: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _report_new(completion, seen: int, on_tokens: Callable[[list[int], list[float]], None]) -> int:
-    """`on_tokens` with the tokens of `completion` past the first `seen`; how many it has now."""
-    ids = list(completion.token_ids[seen:])
-    steps = (completion.logprobs or [])[seen:]
-    if ids:
-        on_tokens(ids, [step[t].logprob for t, step in zip(ids, steps)])
-    return seen + len(ids)
 
 
 class VLLMEngine:
@@ -88,9 +81,12 @@ class VLLMEngine:
         replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,
         routing_capture: bool = False,
+        group_requests: bool = True,
     ):
         """routing_capture: each Generation carries the experts every MoE layer chose per computed
-        token (`routed_experts`): vLLM's on a GPU, rlexp's worker hook on the CPU (vllm_routing.py)."""
+        token (`routed_experts`): vLLM's on a GPU, rlexp's worker hook on the CPU (vllm_routing.py).
+        group_requests: a prompt group's requests go out as one request with n (the same tokens;
+        rlexp/rollout/vllm_groups.py); false sends each sample as its own request."""
         on_gpu = torch.cuda.is_available()
         kwargs = vllm_args.engine_args(model_path, seed, dtype, max_model_len, max_num_seqs, enforce_eager,
                                        max_num_batched_tokens, enable_sleep_mode, on_gpu)
@@ -110,6 +106,7 @@ class VLLMEngine:
         self._routing_fetcher = vllm_routing.RoutingFetcher(
             lambda ids: self._call(self.llm.collective_rpc("take_routing", args=(ids,))))
         self._install_capture = routing_capture and not on_gpu  # in the workers, before the first request
+        self._groups = RequestGroups(self._request_n) if group_requests else None
         self.model_path = model_path
         self._placeholders: ImagePlaceholders | None = None  # made at the first image prompt
         self.unsampled = placeholder_ids(self.llm.model_config.hf_config)  # a VLM's image placeholders
@@ -153,10 +150,10 @@ class VLLMEngine:
         while True:
             await self._running.wait()
             interrupts = self._interrupts
-            seed = sampling.seed if segment == 0 or sampling.seed is None else \
-                hash((sampling.seed, segment)) & 0x7FFFFFFF
-            rest = replace(sampling, max_tokens=sampling.max_tokens - len(ids), seed=seed)
-            new_ids, new_lps, new_top, finish, version, new_routing = await self._request(
+            rest = sampling if segment == 0 else replace(
+                sampling, max_tokens=sampling.max_tokens - len(ids),
+                seed=None if sampling.seed is None else hash((sampling.seed, segment)) & 0x7FFFFFFF)
+            new_ids, new_lps, new_top, finish, version, new_routing = await self._segment(
                 list(token_ids) + ids, rest, on_tokens, images)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.depends_on_the_reply:
@@ -173,7 +170,23 @@ class VLLMEngine:
                                   top if sampling.top_logprobs else None, routing)
             segment += 1
 
-    def _params(self, sampling: SamplingConfig):
+    async def _segment(self, token_ids: list[int], sampling: SamplingConfig,
+                       on_tokens: Callable[[list[int], list[float]], None] | None,
+                       images: list[Any] | None):
+        """One request for (what is left of) a completion: with the other samples of its
+        group where it can be."""
+        if self._groups is not None and on_tokens is None and not images and self._groupable(sampling):
+            return *await self._groups.request(token_ids, sampling), None
+        return await self._request(token_ids, sampling, on_tokens, images)
+
+    def _groupable(self, sampling: SamplingConfig) -> bool:
+        """A request that can go out with the other samples of its group as one request with
+        n > 1 (rlexp/rollout/vllm_groups.py): seeded, sampled from the model's distribution
+        (no grammar, penalty or bias, no masked placeholders), nothing fetched per request."""
+        return (sampling.seed is not None and not self.routing_capture and not self.unsampled
+                and not sampling.depends_on_the_reply and not sampling.logit_bias)
+
+    def _params(self, sampling: SamplingConfig, n: int = 1):
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -192,6 +205,7 @@ class VLLMEngine:
             logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
             detokenize=False,  # tokens are the source of truth; text is decoded by the caller
             structured_outputs=constraint,
+            n=n,
         )
 
     async def _request(self, token_ids: list[int], sampling: SamplingConfig,
@@ -206,13 +220,7 @@ class VLLMEngine:
                 self._placeholders = ImagePlaceholders(self.model_path)
             prompt = {"prompt_token_ids": self._placeholders.collapse(token_ids, len(images)),
                       "multi_modal_data": {"image": list(images)}}
-        if self._idle_spin_s is not None:
-            spin, self._idle_spin_s = self._idle_spin_s, None
-            await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
-        if self._install_capture:
-            self._install_capture = False
-            if not all(await self._call(self.llm.collective_rpc("enable_routing_capture"))):
-                raise ValueError("rollout.routing_capture: the model has no MoE layer to capture")
+        await self._before_first_request()
         final, counted, version, reported = None, 0, self.version, 0
         request_id = f"r{next(self._ids)}"
         self.busy.enter()
@@ -224,7 +232,7 @@ class VLLMEngine:
                         # engine while it was paused runs after the update, on the new weights.
                         version = self.version
                     if on_tokens is not None:  # outputs are cumulative (one object, updated)
-                        reported = _report_new(out.outputs[0], reported, on_tokens)
+                        reported = report_new(out.outputs[0], reported, on_tokens)
                     final = out
         finally:  # also on cancellation: the tokens were generated all the same
             self.busy.exit()
@@ -237,14 +245,40 @@ class VLLMEngine:
             raise ValueError("image prompt: vLLM expanded the images into other tokens than the prompt's "
                              f"({len(final.prompt_token_ids or [])} tokens, not {len(token_ids)})")
         completion = final.outputs[0]
-        ids = list(completion.token_ids)
-        steps = [step for step in completion.logprobs or [] if step is not None]
-        logprobs = [step[tid].logprob for tid, step in zip(ids, steps)]
-        k = sampling.top_logprobs  # each step also holds the sampled token, whatever its rank
-        top = [{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
-               for step in steps] if k else []
         routing = await self._routing(request_id, completion) if self.routing_capture else None
-        return ids, logprobs, top, completion.finish_reason or "abort", version, routing
+        return *reply(completion, sampling.top_logprobs, version), routing
+
+    async def _before_first_request(self) -> None:
+        if self._idle_spin_s is not None:
+            spin, self._idle_spin_s = self._idle_spin_s, None
+            await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
+        if self._install_capture:
+            self._install_capture = False
+            if not all(await self._call(self.llm.collective_rpc("enable_routing_capture"))):
+                raise ValueError("rollout.routing_capture: the model has no MoE layer to capture")
+
+    async def _request_n(self, token_ids: list[int], sampling: SamplingConfig, n: int) -> list[Reply]:
+        """One request for the seeds `sampling.seed`, ..., `sampling.seed + n - 1` (vLLM's `n`);
+        the replies in seed order, each with the version at its own first output."""
+        await self._before_first_request()
+        last: dict[int, Any] = {}  # each child's completion (cumulative), by its index
+        versions: dict[int, int] = {}
+        self.busy.enter()
+        try:
+            with self._engine_alive():
+                async for out in self.llm.generate({"prompt_token_ids": token_ids}, self._params(sampling, n),
+                                                   request_id=f"r{next(self._ids)}"):
+                    for completion in out.outputs:
+                        versions.setdefault(completion.index, self.version)
+                        last[completion.index] = completion
+        finally:  # also on cancellation: the tokens were generated all the same
+            self.busy.exit()
+            counted = sum(len(c.token_ids) for c in last.values())
+            count_generated(counted)
+            self.busy.tokens += counted
+        never_started: Reply = ([], [], [], "abort", self.version)  # aborted before its first token
+        return [reply(last[i], sampling.top_logprobs, versions[i]) if i in last else never_started
+                for i in range(n)]
 
     async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
         """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""

@@ -45,10 +45,12 @@ from rlexp.trainer import distributed
 from rlexp.trainer.critic import Critic
 from rlexp.trainer.lora import ADAPTER_FILE, adapters_off
 from rlexp.trainer.policy import adapter_weights, build_policy, check_sharded_images, policy_weights
+from rlexp.trainer.policy_forward import PolicyForward
 from rlexp.trainer.routing_replay import MoERouting
 from rlexp.trainer.schedule import LrSchedule, lr_factor
+from rlexp.trainer.sync_check import SyncCheck
 from rlexp.trainer.token_batch import TokenBatch
-from rlexp.trainer.update import FitBatch, PolicyForward, Update, plan_minibatches
+from rlexp.trainer.update import FitBatch, Update, plan_minibatches
 from rlexp.weights.files import WEIGHTS_FILE
 
 
@@ -101,6 +103,7 @@ class TrainController:
         warmup_steps: int = 0,
         minibatches_per_step: AtLeast1 = 1,
         micro_batch_tokens: AtLeast1 = 8192,
+        logits_chunk_tokens: AtLeast1 = 256,
         dtype: Dtype = "float32",
         workers: AtLeast1 = 1,
         gradient_checkpointing: bool = False,
@@ -110,45 +113,52 @@ class TrainController:
         routing_replay: Literal["none", "rollout"] = "none",
         router_aux_loss_coef: NonNegative = 0.0,
         freeze_vision: bool = False,
+        sync_check: Callable[..., SyncCheck] | None = None,
     ):
         """advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip);
+        logits_chunk_tokens: positions whose vocabulary logits are held at once (policy_forward.py);
+        mixed_precision: bfloat16 computes in bf16 with fp32 master weights and optimizer state
+        (FSDP2's policy over ranks, torch.autocast in one process);
         critic: for advantage=gae; routing_replay, router_aux_loss_coef: see routing_replay.py;
-        freeze_vision: a vision-language model's vision encoder neither trains nor syncs (policy.py)."""
-        self.rank, self.world = distributed.rank_world()
-        _check_group(workers, self.world, mixed_precision)
-        self.objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
-                                   aggregation or TokenMean(), kl or KLTerm(), mismatch or NoCorrection(),
-                                   entropy_coef)
-        _check_critic(self.objective.advantage, critic)
+        freeze_vision: the VLM's vision encoder neither trains nor syncs (policy.py);
+        sync_check: every sync verified on the fit's first forward (sync_check.py; None: default)."""
+        self.rank, self.world = _rank_world(workers)
+        self.objective = _objective(advantage, policy_loss, aggregation, kl, mismatch, entropy_coef, critic)
         self.device = distributed.device()
         self.ref_kl_every_n_steps = ref_kl_every_n_steps
         self.has_ref = self.objective.kl.coef > 0 or ref_kl_every_n_steps > 0
         self.model, self.ref, self.lora_scaling, self.unsynced = build_policy(
             model_path, dtype, gradient_checkpointing, mixed_precision, lora, self.device, self.has_ref,
             freeze_vision)
-        self.critic = None  # advantage=gae's value model
-        if critic is not None:
-            self.critic = critic(policy_path=model_path, total_steps=total_steps, dtype=dtype,
-                                 gradient_checkpointing=gradient_checkpointing,
-                                 mixed_precision=mixed_precision)
-        self.optimizer = optimizer([p for p in self.model.parameters() if p.requires_grad])
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
+        self.critic = critic and critic(  # advantage=gae's value model
+            policy_path=model_path, total_steps=total_steps, dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing, mixed_precision=mixed_precision)
+        self.optimizer, self.lr_scheduler = _optimizer(optimizer, self.model, lr_schedule, warmup_steps,
+                                                       total_steps)
         # which logprobs the ratio is taken against: the rollout's, or these weights' (a forward)
         self.recompute = old_logprobs == "recompute" or self.objective.needs_recompute
         self.minibatches_per_step = minibatches_per_step
         self.micro_batch_tokens = micro_batch_tokens
-        self.forward = self._policy_forward(temperature, routing_replay, router_aux_loss_coef)
+        self.forward = self._policy_forward(temperature, routing_replay, router_aux_loss_coef,
+                                            logits_chunk_tokens, mixed_precision)
+        self.sync_check = (sync_check or SyncCheck)(trainer_dtype=_compute_dtype(dtype, mixed_precision))
         self.update = Update(self.model, self.optimizer, self.objective, self.forward, max_grad_norm,
-                             self.critic)
+                             self.critic, self.sync_check)
 
     def _policy_forward(self, temperature: float, routing_replay: Literal["none", "rollout"],
-                        router_aux_loss_coef: float) -> PolicyForward:
+                        router_aux_loss_coef: float, logits_chunk_tokens: int,
+                        mixed_precision: str) -> PolicyForward:
         """The policy's forward as the engine samples: a VLM's image placeholders are never
-        sampled (masked as the engine masks them); an MoE's routing replayed or compared."""
+        sampled (masked as the engine masks them); an MoE's routing replayed or compared; in
+        one process, mixed precision is autocast (FSDP2's policy casts over ranks)."""
+        if getattr(self.model.config.get_text_config(), "final_logit_softcapping", None):
+            raise ValueError(f"{type(self.model).__name__}: final_logit_softcapping is not supported "
+                             "(the chunked head scores the logits before the model would cap them)")
         moe = MoERouting(self.model, routing_replay, router_aux_loss_coef)
+        autocast = "none" if distributed.sharded() else mixed_precision
         return PolicyForward(temperature, placeholder_ids(self.model.config), moe, self.device,
-                             entropy_in_loss=bool(self.objective.entropy_coef))
+                             entropy_in_loss=bool(self.objective.entropy_coef),
+                             logits_chunk_tokens=logits_chunk_tokens, autocast=autocast)
 
     # ---- the low-level API: `fit` is these calls in order (fit_call_by_call) ----------
     def prepare(self, batch: list[Sample], version: int) -> FitBatch:
@@ -171,11 +181,16 @@ class TrainController:
     @torch.no_grad()
     def compute_old_logprobs(self, fb: FitBatch) -> torch.Tensor | None:
         """The logprobs the ratio is taken against: the rollout's, or these weights' before the
-        update (a forward) with `old_logprobs=recompute` or an objective that needs them."""
+        update (a forward) with `old_logprobs=recompute` or an objective that needs them; that
+        forward also measures the last weight sync (`train` checks it before its optimizer step)."""
         if fb.tokens is None:
             return None
-        if self.recompute:
+        if self.recompute:  # the fit's first forward: it measures the last sync (sync_check.py)
+            staleness, mask = self._sync_inputs(fb)  # copied to the device before the forward's work
             fb.old = self.forward.logprobs(self.model, fb.tokens, fb.my_micro_batches)
+            assert fb.behav is not None
+            self.sync_check.add(fb.old, fb.behav, staleness, mask)
+            fb.sync_measured = True
         else:
             fb.old = fb.behav
         return fb.old
@@ -299,6 +314,16 @@ class TrainController:
                 out[i] = torch.cat([torch.zeros(1), logp[row, :tb.lengths[row] - 1]])
         return out
 
+    def _sync_inputs(self, fb: FitBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Staleness and the tokens to compare ([N, L-1]) on the device: this rank's trained
+        tokens that the model sampled unreshaped."""
+        assert fb.tokens is not None
+        mine = torch.zeros(len(fb.tokens), 1)
+        for micro in fb.my_micro_batches:
+            mine[micro.rows] = float(micro.real)
+        mask = fb.tokens.loss_mask * fb.tokens.model_sampled * mine
+        return fb.tokens.staleness.to(self.device), mask.to(self.device)
+
     def _needs_before_advantages(self) -> list[str]:
         return (["ref"] if self.objective.kl.in_reward else []) + (["values"] if self.critic else [])
 
@@ -331,12 +356,37 @@ class TrainController:
         return token_rewards
 
 
-def _check_group(workers: int, world: int, mixed_precision: str) -> None:
+def _compute_dtype(dtype: str, mixed_precision: str) -> str:
+    return dtype if mixed_precision == "none" else mixed_precision
+
+
+def _rank_world(workers: int) -> tuple[int, int]:
+    """This process's rank and the group's size, which must be `workers`."""
+    rank, world = distributed.rank_world()
     if workers != world:
         raise ValueError(f"trainer.workers={workers}, but this process group has {world} rank(s): "
                          "several workers run as a Ray trainer group (cluster=ray)")
-    if mixed_precision != "none" and not distributed.sharded():
-        raise ValueError("trainer.mixed_precision is FSDP2's: it needs a torch.distributed group")
+    return rank, world
+
+
+def _objective(advantage: AdvantageEstimator | None, policy_loss: PolicyLoss | None,
+               aggregation: Aggregation | None, kl: KLTerm | None, mismatch: MismatchCorrection | None,
+               entropy_coef: float, critic: Callable[..., Critic] | None) -> Objective:
+    """The algorithm from its pieces (None: the default's, GRPO with PPO-clip and a token mean);
+    a critic comes with advantage=gae and only with it."""
+    objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
+                          aggregation or TokenMean(), kl or KLTerm(), mismatch or NoCorrection(),
+                          entropy_coef)
+    _check_critic(objective.advantage, critic)
+    return objective
+
+
+def _optimizer(optimizer: Callable[..., torch.optim.Optimizer], model: torch.nn.Module,
+               lr_schedule: LrSchedule, warmup_steps: int,
+               total_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer over the trained parameters, and its schedule (one step per fit)."""
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(lr_schedule, warmup_steps, total_steps))
 
 
 def _check_critic(advantage: AdvantageEstimator, critic: Callable[..., Critic] | None) -> None:

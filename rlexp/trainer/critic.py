@@ -55,6 +55,8 @@ class Critic:
         self.model = model.to(self.device).train()
         if distributed.sharded():
             distributed.shard(self.model, None if mixed_precision == "none" else mixed_precision)
+        # in one process mixed precision is autocast; over ranks FSDP2's policy casts
+        self.autocast = None if distributed.sharded() or mixed_precision == "none" else mixed_precision
         self.optimizer = optimizer(self.model.parameters())
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(lr_schedule, warmup_steps, total_steps))
@@ -65,7 +67,9 @@ class Critic:
 
     def _forward(self, tb: TokenBatch, micro: MicroBatch) -> torch.Tensor:
         ids = tb.input_ids[micro.rows, :micro.width].to(self.device)
-        return self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
+        with torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "float32"),
+                            enabled=self.autocast is not None):
+            return self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
 
     @torch.no_grad()
     def values(self, tb: TokenBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:

@@ -85,6 +85,20 @@ def all_reduce_(t: torch.Tensor, op: str) -> torch.Tensor:
     return t
 
 
+def all_gather_1d(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-d `t` (lengths may differ), concatenated in rank order (itself on one rank)."""
+    rank, world = rank_world()
+    if world == 1:
+        return t
+    counts = torch.zeros(world, dtype=torch.long, device=t.device)
+    counts[rank] = t.numel()
+    all_reduce_(counts, "sum")
+    out = torch.zeros(int(counts.sum()), dtype=t.dtype, device=t.device)
+    start = int(counts[:rank].sum())
+    out[start:start + t.numel()] = t
+    return all_reduce_(out, "sum")
+
+
 def peak_memory_mb(dev: torch.device) -> float:
     """Peak allocated GPU memory on CUDA; peak resident memory of this process on CPU."""
     if dev.type == "cuda":

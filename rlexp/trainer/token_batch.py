@@ -59,6 +59,9 @@ class TokenBatch:
     loss_mask: torch.Tensor  # [N, L-1] float: 1 where the predicted token is trained
     behav_logprobs: torch.Tensor  # [N, L-1] the rollout's logprob of each predicted token
     staleness: torch.Tensor  # [N, L-1] long: policy versions between rollout and `version`
+    # [N, L-1] float: 1 where the behaviour logprob is the model's own (no grammar, penalty or
+    # logit bias in its request): what the weight-sync check may compare (TokenTrace.model_sampled)
+    model_sampled: torch.Tensor
     lengths: list[int]  # real tokens per row
     # MoE: the engine's experts per position [N, L, layers, k] (rows without: experts 0..k-1)
     routed: torch.Tensor | None = None
@@ -76,6 +79,7 @@ class TokenBatch:
             loss_mask=_padded([s.loss_mask for s in samples], width, 0, torch.float32)[:, 1:],
             behav_logprobs=_padded([s.logprobs for s in samples], width, 0.0, torch.float32)[:, 1:],
             staleness=_padded(stale, width, 0, torch.long)[:, 1:],
+            model_sampled=_padded([s.trace.model_sampled() for s in samples], width, 0, torch.float32)[:, 1:],
             lengths=[len(s.tokens) for s in samples],
             routed=_routed(samples, width),
             pixels=[s.mm_train_info for s in samples] if any(s.mm_train_info for s in samples) else None)
