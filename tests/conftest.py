@@ -3,6 +3,7 @@ import contextlib
 import os
 import signal
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,15 @@ def nodes(tmp_path_factory):
     finally:
         left = nodes.stop()
     assert not left, left
+
+
+@pytest.fixture
+def killed(monkeypatch) -> list[tuple[Any, bool]]:
+    """The (fake) replicas a RolloutPool asks Ray to kill, and whether they may restart; Ray's
+    cancel of a timed-out call is a no-op on a fake."""
+    import ray
+
+    calls: list[tuple[Any, bool]] = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: calls.append((actor, no_restart)))
+    monkeypatch.setattr(ray, "cancel", lambda ref: None)
+    return calls

@@ -150,12 +150,12 @@ def test_a_lost_replica_is_retried_elsewhere_then_restarted_with_the_current_wei
     asyncio.run(main())
 
 
-def test_with_every_replica_gone_for_good_the_run_stops():
+def test_with_every_replica_gone_for_good_the_run_stops(killed):
     async def main():
         pool, actors = _pool()
         for r in actors:
             r.dead, r.restarting = True, False  # and never comes back: its restarts are exhausted
-        with pytest.raises(EngineDead, match="every rollout replica died"):
+        with pytest.raises(EngineDead, match="every rollout replica was lost"):
             await pool.generate([1], SAMPLING)
 
     asyncio.run(main())

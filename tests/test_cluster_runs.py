@@ -231,7 +231,7 @@ def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_
         worker.kill()
 
     rc = _kill_when(ckpt / "step_1" / "meta.json", cmd, log, kill_worker)
-    stopped = rf"run stopped: trainer worker [01] \(pid {killed[0]}\) died"
+    stopped = rf"run stopped: trainer worker [01] \(pid {killed[0]}, node \w+\) died"
     assert rc == 3 and re.search(stopped, log.read_text())
     assert f"Resume: python -m rlexp.run resume={run_dir}" in log.read_text()
     # 2. resumed with one worker (it trains in the driver), the driver SIGKILLed: nothing outlives it

@@ -95,7 +95,10 @@ class LocalCluster:
     def params(self) -> dict[str, Any]:
         import torch
 
-        return {"cluster.nodes": 1, "cluster.gpus": torch.cuda.device_count()}
+        from rlexp.weights.auto import auto_pick
+
+        return {"cluster.nodes": 1, "cluster.multi_node": False, "cluster.gpus": torch.cuda.device_count(),
+                "cluster.auto_transport": auto_pick(self)}
 
     def shutdown(self) -> None:
         """Nothing to stop: the engine and transport are shut down by the loop."""

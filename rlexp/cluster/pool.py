@@ -7,17 +7,21 @@ RolloutEngine Protocol, so schedulers, agents and the chat server use it unchang
   only once all of them serve the new version.
 - Accounting is counted here, from the generations that come back (the replicas' own
   counters live in other processes).
-- Faults: a replica whose actor dies is taken out of routing; its requests are retried on
-  the others (per-request seeds give the same tokens). Ray restarts the actor (its engine
-  starts from the model path); the pool then loads the current weights and version into it
-  before routing to it again. With no replica left the run stops (EngineDead: resume hint).
+- Faults: a replica whose actor dies, or that does not answer a call within
+  `call_timeout_s`, is taken out of routing; its requests are retried on the others
+  (per-request seeds give the same tokens). Ray restarts the actor (its engine starts from
+  the model path, on another node if its own is gone); the pool then loads the current
+  weights and version into it before routing to it again. A replica not back within
+  `restart_timeout_s` (no node has room for it) is lost for good: one log line names it and
+  its node, and the pool goes on with the others. With no replica left the run stops
+  (EngineDead: resume hint).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -27,75 +31,45 @@ from typing import Any
 from rlexp.errors import EngineDead
 from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
 from rlexp.sample import Generation, SamplingConfig
-from rlexp.weights.object_store import ObjectStoreReceiver
 from rlexp.weights.protocols import EngineProcess
 
 log = logging.getLogger(__name__)
 
 
-class EngineReplica:
-    """Runs inside a Ray actor: one rollout engine built from its config (`spec`, the rollout
-    group with `_target_`) and the weight loading the pool asks of it."""
-
-    def __init__(self, spec: dict[str, Any], model_path: str):
-        from hydra.utils import instantiate
-
-        self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
-        self._received = ObjectStoreReceiver()
-
-    def ready(self) -> tuple[str, int, int]:
-        """(node id, pid, version): answers once the engine is up."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id(), os.getpid(), self.engine.version
-
-    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
-                       images: list | None = None) -> Generation:
-        return await self.engine.generate(token_ids, sampling, images)
-
-    async def pause(self, interrupt: bool) -> None:
-        await self.engine.pause(interrupt)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def sleep(self) -> None:
-        await self.engine.sleep()
-
-    async def wake_up(self) -> None:
-        await self.engine.wake_up()
-
-    async def load_weights(self, directory: str, version: int) -> None:
-        """From a safetensors file this node can read (RamFileTransport on one node)."""
-        await self.engine.load_weights(Path(directory), version)
-
-    async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
-        """From Ray's object store (`arrays` arrives resolved on this node)."""
-        await self._received.load(arrays, self.engine, version)
-
-    async def call_engine(self, method: str, *args: Any) -> Any:
-        """A method of the engine by name (vLLM's native weight transfer on GPU)."""
-        result = getattr(self.engine, method)(*args)
-        return await result if asyncio.iscoroutine(result) else result
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-        self._received.close()
+class ReplicaTimeout(TimeoutError):
+    """A replica did not answer a call within `call_timeout_s`."""
 
 
 def _lost(e: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
-    return isinstance(e, RayActorError)
+    return isinstance(e, (RayActorError, ReplicaTimeout))
+
+
+async def answer(ref: Any, timeout_s: float, what: str) -> Any:
+    """`await ref`, a Ray call, for at most `timeout_s` (then cancelled: ReplicaTimeout)."""
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except TimeoutError:
+        import ray
+
+        ray.cancel(ref)
+        raise ReplicaTimeout(f"{what} did not answer within {timeout_s:g}s") from None
 
 
 class RolloutPool:
-    """`actors`: EngineReplica handles (already placed). `sampling` / `max_model_len`: the
-    engines' settings (the same for all)."""
+    """`actors`: EngineReplica handles (already placed); `nodes`: the node id of each.
+    `sampling` / `max_model_len`: the engines' settings (the same for all).
+    `call_timeout_s`: the longest any one call on a replica may take (a generation, a weight
+    load); `restart_timeout_s`: how long a lost replica may take to come back."""
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
-                 sleeps: bool = False):
+                 sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
+                 restart_timeout_s: float = 300.0):
         self.actors = actors
+        self.nodes = list(nodes) if nodes is not None else ["unknown"] * len(actors)
+        self.call_timeout_s, self.restart_timeout_s = call_timeout_s, restart_timeout_s
+        self._gone: dict[int, str] = {}  # replica -> why it was lost for good
         self.sampling = sampling
         self.max_model_len = max_model_len
         self.version = 0
@@ -146,28 +120,21 @@ class RolloutPool:
                     await asyncio.wait(list(self._recovering.values()), return_when=asyncio.FIRST_COMPLETED)
                     failed.clear()
                     continue
-                raise EngineDead(f"every rollout replica died ({len(self.actors)}; Ray restarts "
-                                 "exhausted, see cluster.max_restarts)")
+                raise EngineDead(self._none_left())
             ref = self.actors[i].generate.remote(token_ids, sampling, images)
             self._enter(i)
             try:
-                gen = await ref
+                gen = await answer(ref, self.call_timeout_s, f"rollout replica {i}")
             except asyncio.CancelledError:
                 import ray
 
                 ray.cancel(ref)
                 raise
             except Exception as e:
-                if isinstance(e, EngineDead):  # the replica's vLLM process died: restart the replica
-                    import ray
-
-                    ray.kill(self.actors[i], no_restart=False)
-                elif not _lost(e):
+                if not (isinstance(e, EngineDead) or _lost(e)):
                     raise
-                log.warning("rollout replica %d lost (%s); retrying its request on another", i,
-                            type(e).__name__)
                 failed.add(i)
-                self._replica_lost(i)
+                self._replica_lost(i, "a generation", e)
                 continue
             finally:
                 self._exit(i)
@@ -190,56 +157,101 @@ class RolloutPool:
         self.replica_busy[i].exit()
 
     # ---- faults ----------------------------------------------------------------------
-    def _replica_lost(self, i: int) -> None:
+    def _replica_lost(self, i: int, during: str, error: BaseException) -> None:
+        """Replica `i` failed `during` a call: out of routing, restarted (a replica whose
+        vLLM process died, or that hung, is restarted by killing its actor)."""
         if not self._healthy[i]:
             return
         self._healthy[i] = False
+        log.warning("rollout replica %d lost during %s (node %s): %s; %d replica(s) serving, it "
+                    "comes back within %gs (cluster.restart_timeout_s) or is given up", i, during,
+                    self.nodes[i], _first_line(error), sum(self._healthy), self.restart_timeout_s)
+        if isinstance(error, (EngineDead, ReplicaTimeout)):
+            import ray
+
+            ray.kill(self.actors[i], no_restart=False)
         self._recovering[i] = asyncio.create_task(self._recover(i))
 
     async def _recover(self, i: int) -> None:
-        """Wait for Ray to restart the actor, bring it to the pool's weights, version and
-        state, then route to it again. An actor out of restarts stays out."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
+        """Wait (at most restart_timeout_s) for Ray to restart the actor, bring it to the
+        pool's weights, version and state, then route to it again; else give it up."""
+        from ray.exceptions import ActorDiedError
 
-        t0 = time.time()
+        t0 = time.monotonic()
         try:
-            while True:
-                try:
-                    await self.actors[i].ready.remote()
-                    break
-                except ActorUnavailableError:  # restarting
-                    await asyncio.sleep(0.5)
+            self.nodes[i], _, _ = await self._restarted(i, t0 + self.restart_timeout_s)
             async with self._update:  # routed again before the next update starts
-                if self._reload is not None:
-                    await self._reload(self.actors[i])
-                if self._sleeping:
-                    await self.actors[i].sleep.remote()
-                if self._paused_with is not None:
-                    await self.actors[i].pause.remote(self._paused_with)
+                await self._catch_up(i)
                 self.restarts[i] += 1
                 self._healthy[i] = True
-                _, _, version = await self.actors[i].ready.remote()
+                _, _, version = await answer(self.actors[i].ready.remote(), self.call_timeout_s,
+                                             f"rollout replica {i}")
             # A transport that keeps no copy of the weights (vLLM's NCCL / IPC) leaves it at
             # version 0 until the next sync; its tokens say so.
-            log.warning("rollout replica %d restarted by Ray; serves policy version %d (%.1fs)",
-                        i, version, time.time() - t0)
-        except ActorDiedError as e:
-            log.error("rollout replica %d is gone for good: %s", i, e)
+            log.warning("rollout replica %d restarted by Ray on node %s; serves policy version %d (%.1fs)",
+                        i, self.nodes[i], version, time.monotonic() - t0)
+        except TimeoutError:
+            self._give_up(i, f"not running again within {self.restart_timeout_s:g}s of its loss "
+                             "(cluster.restart_timeout_s): no node has room for it")
+        except (ActorDiedError, ReplicaTimeout) as e:
+            self._give_up(i, _first_line(e))
         finally:
             self._recovering.pop(i, None)
+
+    async def _restarted(self, i: int, deadline: float) -> tuple[str, int, int]:
+        """Replica `i`'s ready() once Ray has restarted it (TimeoutError past `deadline`)."""
+        from ray.exceptions import ActorUnavailableError
+
+        while True:
+            try:
+                return await asyncio.wait_for(self.actors[i].ready.remote(),
+                                              max(deadline - time.monotonic(), 0.0))
+            except ActorUnavailableError:  # restarting
+                await asyncio.sleep(0.5)
+
+    async def _catch_up(self, i: int) -> None:
+        """The current weights, sleep and pause state into restarted replica `i`."""
+        actor, bound = self.actors[i], self.call_timeout_s
+        if self._reload is not None:
+            await asyncio.wait_for(self._reload(actor), bound)
+        if self._sleeping:
+            await answer(actor.sleep.remote(), bound, f"rollout replica {i}")
+        if self._paused_with is not None:
+            await answer(actor.pause.remote(self._paused_with), bound, f"rollout replica {i}")
+
+    def _give_up(self, i: int, why: str) -> None:
+        import ray
+
+        self._gone[i] = f"replica {i} on node {self.nodes[i]}: {why}"
+        with contextlib.suppress(Exception):
+            ray.kill(self.actors[i], no_restart=True)
+        log.error("rollout replica %d lost for good (node %s): %s; going on with %d of %d replica(s)",
+                  i, self.nodes[i], why, sum(self._healthy), len(self.actors))
+
+    def _none_left(self) -> str:
+        gone = "; ".join(self._gone.values()) or "Ray restarts exhausted, see cluster.max_restarts"
+        return f"every rollout replica was lost ({len(self.actors)}): {gone}"
 
     async def _fan_out(self, call: Callable[[Any], Any]) -> None:
         """`call(actor)` on every routed replica, together; a replica lost on the way is left
         to recovery (which brings it to the same state)."""
         live = [i for i, ok in enumerate(self._healthy) if ok]
-        results = await asyncio.gather(*(call(self.actors[i]) for i in live), return_exceptions=True)
+        results = await asyncio.gather(*(self._bounded(call(self.actors[i]), i) for i in live),
+                                       return_exceptions=True)
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
                 if not _lost(r):
                     raise r
-                self._replica_lost(i)
+                self._replica_lost(i, "a call to every replica (pause, resume or a weight sync)", r)
         if not any(self._healthy) and not self._recovering:
-            raise EngineDead("every rollout replica died")
+            raise EngineDead(self._none_left())
+
+    async def _bounded(self, call: Awaitable[Any], i: int) -> Any:
+        try:
+            return await asyncio.wait_for(call, self.call_timeout_s)
+        except TimeoutError:
+            raise ReplicaTimeout(f"rollout replica {i} did not answer within {self.call_timeout_s:g}s "
+                                 "(cluster.call_timeout_s)") from None
 
     # ---- the Protocol's fan-outs -------------------------------------------------------
     async def pause(self, interrupt: bool) -> None:
@@ -296,7 +308,7 @@ class RolloutPool:
         """vLLM's native transfer: each replica's engine process, reached through
         `EngineReplica.call_engine`; a replica Ray restarted is a new process."""
         async def load(actor: Any) -> None:
-            node, pid, _ = await actor.ready.remote()
+            node, pid, _ = await answer(actor.ready.remote(), self.call_timeout_s, "rollout replica")
             await send(EngineProcess(actor, (node, pid),
                                      lambda method, *args: actor.call_engine.remote(method, *args)))
 
@@ -339,3 +351,8 @@ class RolloutPool:
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

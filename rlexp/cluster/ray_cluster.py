@@ -27,20 +27,26 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from rlexp import orphans
 from rlexp.cluster import engine_spec, ray_connect
+from rlexp.cluster.description import ClusterDescription
 from rlexp.cluster.node_check import check_nodes_read
-from rlexp.cluster.pool import EngineReplica, RolloutPool
+from rlexp.cluster.pool import RolloutPool
+from rlexp.cluster.replica import EngineReplica
 from rlexp.constraints import AtLeast0, AtLeast1, Placement, PlacementStrategy, Positive
-from rlexp.errors import ConfigError, EngineDead
+from rlexp.errors import ConfigError, EngineDead, TrainerDead
 from rlexp.rollout import reaper
 from rlexp.sample import SamplingConfig
+from rlexp.weights.auto import auto_pick
 from rlexp.weights.protocols import WeightTransport
+from rlexp.weights.ram_file import RamFileTransport
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +58,15 @@ class RayCluster:
     def __init__(self, replicas: AtLeast1 = 1, gpus_per_replica: AtLeast1 = 1, placement: Placement = "split",
                  address: str | None = None, num_cpus: AtLeast1 | None = None,
                  cpus_per_replica: Positive = 1.0, max_restarts: AtLeast0 = 3,
-                 ready_timeout_s: Positive = 600.0, trainer_workers: AtLeast1 = 1,
+                 ready_timeout_s: Positive = 600.0, call_timeout_s: Positive = 600.0,
+                 restart_timeout_s: Positive = 300.0, trainer_workers: AtLeast1 = 1,
                  cpus_per_trainer_worker: Positive = 1.0, strategy: PlacementStrategy = "PACK"):
         import ray
 
         self.replicas, self.placement = replicas, placement
         self.gpus_per_replica, self.cpus_per_replica = gpus_per_replica, cpus_per_replica
         self.max_restarts, self.ready_timeout_s = max_restarts, ready_timeout_s
+        self.call_timeout_s, self.restart_timeout_s = call_timeout_s, restart_timeout_s
         self.trainer_workers, self.strategy = trainer_workers, strategy
         where = ray_connect.RayAddress.resolve(address)
         self._owns_ray = not ray.is_initialized()
@@ -93,9 +101,7 @@ class RayCluster:
         self.pool: RolloutPool | None = None
         self.group: Any = None
         log.info("ray: %s", ray_connect.describe(where))
-        log.info("ray: %d rollout bundle(s) of %s on node(s) %s, placement=%s, strategy=%s; the driver "
-                 "on %s", replicas, self.bundle, _short(self.replica_nodes), placement, strategy,
-                 _short([self.driver_node])[0])
+        log.info("ray: %s", self.shape().describe())
 
     def _start_ray(self, where: ray_connect.RayAddress, num_cpus: int | None, num_gpus: int | None) -> None:
         before = reaper.snapshot()
@@ -189,7 +195,9 @@ class RayCluster:
         keys = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_response_tokens",
                 "seed": "seed"}  # SamplingConfig's defaults fill what the rollout config leaves out
         sampling = SamplingConfig(**{field: spec[key] for field, key in keys.items() if key in spec})
-        self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps)
+        self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps,
+                                nodes=_short([node for node, _, _ in infos]),
+                                call_timeout_s=self.call_timeout_s, restart_timeout_s=self.restart_timeout_s)
         return self.pool
 
     def trainer(self, trainer: DictConfig, model_path: str) -> Any:
@@ -207,26 +215,32 @@ class RayCluster:
             num_cpus=self.trainer_bundle["CPU"], num_gpus=self.trainer_bundle.get("GPU", 0), max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
         ).remote(r, self.trainer_workers) for r in range(self.trainer_workers)]
-        endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=self.ready_timeout_s)
+        try:
+            endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=self.ready_timeout_s)
+        except Exception as e:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            raise TrainerDead(f"a trainer rank did not start within {self.ready_timeout_s:g}s "
+                              f"(cluster.ready_timeout_s): {e}") from e
         address, port, _ = endpoints[0]
-        self.group = TrainerGroup(actors, [pid for _, _, pid in endpoints])
+        self.group = TrainerGroup(actors, [pid for _, _, pid in endpoints], _short(self.trainer_nodes),
+                                  self.call_timeout_s)
         self.group._all("setup", address, port, spec, model_path)
         log.info("ray: trainer group of %d rank(s) up: %s", len(actors), ", ".join(
             f"pid {pid} on node {node[:8]}" for pid, node in zip(self.group.pids, self.trainer_nodes)))
         return self.group
 
-    def params(self) -> dict[str, Any]:
-        import ray
+    def shape(self) -> ClusterDescription:
+        """What the run sees of the cluster now: its nodes, and where the run's parts are."""
+        return ClusterDescription.of_ray(self.driver_node, self.replica_nodes, self.trainer_nodes,
+                                         auto_pick(self))
 
-        resources = ray.cluster_resources()
-        params = {"cluster.nodes": len(self.nodes), "cluster.gpus": int(resources.get("GPU", 0)),
-                  "cluster.cpus": resources.get("CPU", 0), "cluster.rollout_bundle": str(self.bundle),
-                  "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0)),
-                  "cluster.driver_node": _short([self.driver_node])[0],
-                  "cluster.replica_nodes": ",".join(_short(self.replica_nodes))}
+    def params(self) -> dict[str, Any]:
+        params = self.shape().params() | {
+            "cluster.rollout_bundle": str(self.bundle),
+            "cluster.rollout_gpus": self.replicas * int(self.bundle.get("GPU", 0))}
         if self.trainer_pg is not None:
             params["cluster.trainer_bundle"] = str(self.trainer_bundle)
-            params["cluster.trainer_nodes"] = ",".join(_short(self.trainer_nodes))
         return params
 
     def shutdown(self) -> None:
@@ -246,6 +260,9 @@ class RayCluster:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         reaper.stop(self.__dict__.pop("_reaper", None))
+        # A replica on this host that died with its node (or was killed) left its weight file
+        if Path("/dev/shm").is_dir():
+            orphans.reap(RamFileTransport.PREFIX, "/dev/shm")
 
 
 def _bundle_nodes(pg: Any) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,24 +93,34 @@ class TrainerWorker:
 class TrainerGroup:
     """The driver's handle on the ranks (`actors`, rank order), built by RayCluster.trainer."""
 
-    def __init__(self, actors: list[Any], pids: list[int]):
-        self.actors, self.pids = actors, pids
+    def __init__(self, actors: list[Any], pids: list[int], nodes: list[str] | None = None,
+                 call_timeout_s: float = 600.0):
+        """`nodes`: each rank's node id; `call_timeout_s`: the longest one call (a fit, a
+        weight bucket, a checkpoint) may take on every rank."""
+        self.actors, self.pids, self.call_timeout_s = actors, pids, call_timeout_s
+        self.nodes = nodes if nodes is not None else ["unknown"] * len(actors)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every rank and wait for all; a dead rank raises TrainerDead at
-        once (the others would block in a collective waiting for it)."""
+        """Call `method` on every rank and wait for all, at most call_timeout_s; a dead rank
+        (or its node lost) raises TrainerDead at once (the others would block in a
+        collective waiting for it)."""
         import ray
 
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         pending, results = list(refs), {}
+        deadline = time.monotonic() + self.call_timeout_s
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not done:
+                late = [refs.index(r) for r in pending]
+                raise TrainerDead(f"trainer rank(s) {late} (node(s) {[self.nodes[r] for r in late]}) did not "
+                                  f"finish {method} within {self.call_timeout_s:g}s (cluster.call_timeout_s)")
             try:
                 results[done[0]] = ray.get(done[0])
             except ray.exceptions.RayActorError as e:
                 rank = refs.index(done[0])
-                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}) died "
-                                  f"({type(e).__name__}; Ray's log above says more)") from e
+                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}, node {self.nodes[rank]}) "
+                                  f"died ({type(e).__name__}; Ray's log above says more)") from e
         return [results[r] for r in refs]
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:

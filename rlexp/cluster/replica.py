@@ -1,0 +1,62 @@
+"""EngineReplica: one rollout engine inside a Ray actor, built from the rollout group's config,
+with the weight loading the pool (rlexp/cluster/pool.py) asks of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights.object_store import ObjectStoreReceiver
+
+
+class EngineReplica:
+    """Runs inside a Ray actor: one rollout engine built from its config (`spec`, the rollout
+    group with `_target_`) and the weight loading the pool asks of it."""
+
+    def __init__(self, spec: dict[str, Any], model_path: str):
+        from hydra.utils import instantiate
+
+        self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
+        self._received = ObjectStoreReceiver()
+
+    def ready(self) -> tuple[str, int, int]:
+        """(node id, pid, version): answers once the engine is up."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self.engine.version
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig,
+                       images: list | None = None) -> Generation:
+        return await self.engine.generate(token_ids, sampling, images)
+
+    async def pause(self, interrupt: bool) -> None:
+        await self.engine.pause(interrupt)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def load_weights(self, directory: str, version: int) -> None:
+        """From a safetensors file this node can read (RamFileTransport on one node)."""
+        await self.engine.load_weights(Path(directory), version)
+
+    async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
+        """From Ray's object store (`arrays` arrives resolved on this node)."""
+        await self._received.load(arrays, self.engine, version)
+
+    async def call_engine(self, method: str, *args: Any) -> Any:
+        """A method of the engine by name (vLLM's native weight transfer on GPU)."""
+        result = getattr(self.engine, method)(*args)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self._received.close()

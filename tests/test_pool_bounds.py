@@ -1,0 +1,81 @@
+"""cluster=ray: every wait of the RolloutPool on a replica is bounded (fake replicas, no Ray
+cluster): a generation or a weight load past `call_timeout_s` sends the replica to a
+restart and its requests to the others; a replica not back within `restart_timeout_s` is
+given up in one log line naming it and its node, the pool serving on with the others; with
+none left the run stops (EngineDead) naming each lost replica and its node."""
+
+import asyncio
+import logging
+
+import pytest
+
+from rlexp.cluster.pool import RolloutPool
+from rlexp.errors import EngineDead
+from tests.test_cluster import SAMPLING, FakeReplica
+
+
+def _pool(call_timeout_s=60.0, restart_timeout_s=60.0):
+    actors = [FakeReplica(i) for i in range(2)]
+    pool = RolloutPool(actors, SAMPLING, 64, nodes=["node-a", "node-b"], call_timeout_s=call_timeout_s,
+                       restart_timeout_s=restart_timeout_s)
+    return pool, actors
+
+
+def test_a_replica_not_back_in_time_is_given_up_and_with_none_left_the_run_stops(killed, caplog):
+    async def main():
+        pool, (a, b) = _pool(restart_timeout_s=0.3)
+        a.dead = True  # Ray keeps it restarting: its node is gone and no other has room
+        gens = await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(3)))
+        assert {g.token_ids[0] for g in gens} == {1}  # served by the other meanwhile
+        await asyncio.wait(list(pool._recovering.values()))
+        assert pool._healthy == [False, True] and not pool._recovering and killed == [(a, True)]
+        assert (await pool.generate([1], SAMPLING)).token_ids[0] == 1  # the pool goes on with one
+        b.dead = True
+        with pytest.raises(EngineDead) as stopped:
+            await pool.generate([1], SAMPLING)
+        return str(stopped.value)
+
+    with caplog.at_level(logging.WARNING, logger="rlexp.cluster.pool"):
+        message = asyncio.run(main())
+    lost = [r.getMessage() for r in caplog.records if "lost for good" in r.getMessage()]
+    assert lost[0].startswith("rollout replica 0 lost for good (node node-a): not running again within 0.3s")
+    assert lost[0].endswith("going on with 1 of 2 replica(s)") and len(lost) == 2
+    assert "every rollout replica was lost (2): replica 0 on node node-a: not running again" in message
+    assert "replica 1 on node node-b" in message and "cluster.restart_timeout_s" in message
+
+
+def test_a_generation_past_the_call_timeout_restarts_its_replica_and_goes_to_another(killed, caplog):
+    async def main():
+        pool, (a, b) = _pool(call_timeout_s=0.2)
+        a.gate.clear()  # replica 0 hangs in every generation
+        gens = await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(4)))
+        assert {g.token_ids[0] for g in gens} == {1}
+        assert killed == [(a, False)]  # Ray restarts it...
+        a.gate.set()
+        await asyncio.wait(list(pool._recovering.values()))
+        assert pool._healthy == [True, True] and pool.restarts == [1, 0]  # ...and it serves again
+
+    with caplog.at_level(logging.WARNING, logger="rlexp.cluster.pool"):
+        asyncio.run(main())
+    assert any(r.getMessage().startswith("rollout replica 0 lost during a generation (node node-a): "
+                                         "ReplicaTimeout: rollout replica 0 did not answer within 0.2s")
+               for r in caplog.records)
+
+
+def test_a_weight_load_past_the_call_timeout_leaves_the_replica_to_its_restart(killed):
+    async def main():
+        pool, (a, b) = _pool(call_timeout_s=0.2, restart_timeout_s=0.5)
+        hung = asyncio.Event()
+
+        async def never(directory, version):
+            await hung.wait()
+
+        a._load_weights = never
+        a.load_weights.fn = never
+        await pool.load_weights("/dir", 3)  # returns: the other replica serves version 3
+        assert b.version == pool.version == 3 and pool._healthy == [False, True]
+        assert killed == [(a, False)]
+        await asyncio.wait(list(pool._recovering.values()))  # its catch-up hangs too: given up
+        assert pool._healthy == [False, True] and killed[-1] == (a, True)
+
+    asyncio.run(main())
