@@ -7,11 +7,13 @@ import asyncio
 import os
 import random
 from functools import partial
+from pathlib import Path
 
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.trainer.sync_check import SyncCheck
 from rlexp.weights.files import WEIGHTS_FILE
+from rlexp.weights.object_store import ObjectStoreTransport
 from rlexp.weights.ram_file import RamFileTransport
 
 # The trainer's sync check measured and logged, never stopping: for hand-made samples, whose
@@ -162,3 +164,18 @@ class HangsInReload(RamFileTransport):
         fifo_dir.mkdir(exist_ok=True)
         os.mkfifo(fifo_dir / WEIGHTS_FILE)
         await engine.load_weights(fifo_dir, version)
+
+
+class MarksPush(ObjectStoreTransport):
+    """object_store that, before each push, writes `<marks>/push_<version>` and waits
+    `pause_s`: a test can take a node down while a weight push is under way."""
+
+    def __init__(self, marks: str, pause_s: float = 2.0, cluster=None):
+        super().__init__(cluster)
+        self.marks, self.pause_s = Path(marks), pause_s
+
+    async def transfer(self, weights, engine, version: int) -> None:
+        self.marks.mkdir(parents=True, exist_ok=True)
+        (self.marks / f"push_{version}").touch()
+        await asyncio.sleep(self.pause_s)
+        await super().transfer(weights, engine, version)

@@ -58,17 +58,23 @@ class RayNodes:
         self.address = f"{self.head_ip}:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self._procs: list[subprocess.Popen] = []
+        self._ips: list[str] = []  # each running node's address, the head's as "head"
+        self._added = 0  # worker nodes ever added: each gets the next loopback address
         self.cpus = 0  # the cluster's CPUs: the worker nodes'
 
-    def start(self) -> RayNodes:
+    def start(self, **config: int) -> RayNodes:
+        """`config`: Ray system settings for the head (`health_check_period_ms=500`: how soon
+        its GCS notices a node gone), as RAY_<name> in its environment."""
         self._start("head", ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=true",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"])
+                             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"],
+                    env={f"RAY_{k}": str(v) for k, v in config.items()})
         return self
 
     def add_node(self, cpus: int, hide: tuple[Path, ...] = ()) -> str:
         """A worker node with `cpus` CPUs on the next loopback address (returned), with the
         directories in `hide` empty as it sees them."""
-        ip = f"127.0.0.{len(self._procs) + 1}"
+        self._added += 1
+        ip = f"127.0.0.{self._added + 1}"
         self.cpus += cpus
         args = [f"--address={self.address}", f"--num-cpus={cpus}", f"--node-ip-address={ip}"]
         mounts = "".join(f'mount -t tmpfs tmpfs "{d}" && ' for d in hide)
@@ -76,7 +82,17 @@ class RayNodes:
                     else [])
         return ip
 
-    def _start(self, name: str, args: list[str], wrap: list[str] = ()) -> None:
+    def kill(self, ip: str) -> None:
+        """SIGKILL the node at `ip`: its raylet, object store and every process of its session
+        (a node that fails or is preempted)."""
+        proc = self._procs.pop(self._ips.index(ip))
+        self._ips.remove(ip)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def _start(self, name: str, args: list[str], wrap: list[str] = (),
+               env: dict[str, str] | None = None) -> None:
         log = self.logs / f"{name}.log"
         # Each node's dashboard agent listens on a port of its own (Ray's default, 52365, is one
         # per host: a second node's agent fails to bind it, and its raylet exits with it).
@@ -84,9 +100,10 @@ class RayNodes:
                f"--object-store-memory={self.object_store_mb << 20}",
                f"--dashboard-agent-listen-port={free_port()}", *args]
         with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env,
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env | (env or {}),
                                     start_new_session=True)
         self._procs.append(proc)
+        self._ips.append(name.removeprefix("node-"))
         deadline = time.monotonic() + START_FAILSAFE_S
         while STARTED not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -110,6 +127,7 @@ class RayNodes:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()
+        self._ips.clear()
         return [" ".join(p.cmdline())[:100] for p in psutil.process_iter()
                 if _group(p) in groups and p.status() != psutil.STATUS_ZOMBIE]
 

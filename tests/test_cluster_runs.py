@@ -122,7 +122,9 @@ def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_p
     print("driver", params["cluster.driver_node"], "replicas", replica_nodes, "ranks", trainer_nodes)
     assert len(set(replica_nodes)) == 2 and set(trainer_nodes) == set(replica_nodes)  # one of each per node
     assert params["cluster.driver_node"] not in replica_nodes  # the head has no CPUs
-    assert params["cluster.nodes"] == "2" and params["rollout.replicas"] == "2"
+    assert params["cluster.nodes"] == params["cluster.nodes_used"] == "3"  # the head, where the job runs
+    assert params["cluster.multi_node"] == "True" and params["rollout.replicas"] == "2"
+    assert params["cluster.auto_transport"] == "ObjectStoreTransport"
     # after every step's fit, both worker nodes pulled the new weights into their object stores
     assert _history(client, run, "weights/object_store_nodes_pulled") == [2.0] * STEPS
     pulled = _history(client, run, "weights/object_store_bytes_pulled")

@@ -179,7 +179,8 @@ class RolloutPool:
 
         t0 = time.monotonic()
         try:
-            self.nodes[i], _, _ = await self._restarted(i, t0 + self.restart_timeout_s)
+            node, _, _ = await self._restarted(i, t0 + self.restart_timeout_s)
+            self.nodes[i] = node[:8]  # as Ray's CLI shows it
             async with self._update:  # routed again before the next update starts
                 await self._catch_up(i)
                 self.restarts[i] += 1
