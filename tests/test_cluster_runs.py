@@ -90,6 +90,7 @@ IDENTICAL = ("rollout/reward_mean", "rollout/tokens", "rollout/response_length_m
 # a wrong divisor) moves them by percents.
 DRIFT = {"train/loss": 1e-6, "train/grad_norm": 1e-5, "train/entropy": 1e-5, "train/ratio_mean": 1e-5}
 TRACE_ROUNDING = 1e-6  # traces keep logprobs to 6 decimals
+FIT_DRIFT_LOGPROB = 1e-5  # what a fit's 1e-6 weight drift may move a sampled token's logprob by
 
 
 def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_process(tmp_path, models,
@@ -106,8 +107,9 @@ def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_p
         a, b = _traces(*local, step), _traces(*ray, step)
         assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b], step
         diff = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra["logprobs"], rb["logprobs"]))
-        # measured 0, 1e-6, 2e-6: step 1 samples from the same weights, each fit adds its drift
-        assert diff <= step * TRACE_ROUNDING + 1e-12, (step, diff)
+        # step 1 samples from the same weights (measured 0); each fit adds its drift (DRIFT):
+        # measured 1e-6 to 7e-6 at step 2, 2e-6 at step 3; a sharding bug moves them by 1e-2
+        assert diff <= TRACE_ROUNDING + (step - 1) * FIT_DRIFT_LOGPROB, (step, diff)
     for key in IDENTICAL:
         assert _history(*local, key) == _history(*ray, key), key
         assert len(_history(*local, key)) in (STEPS, STEPS + 1), key  # eval also runs at step 0

@@ -83,17 +83,42 @@ def _weight_files() -> set[Path]:
 def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replica(tmp_path, run_models,
                                                                                   new_store, cluster):
     store, run_dir, log = new_store(tmp_path), tmp_path / "out", tmp_path / "run.log"
-    marks = tmp_path / "marks"
-    a = cluster.add_node(cpus=1)
     shm_before = _weight_files()
     ray = ("cluster=ray", f"cluster.address={cluster.address}", "rollout.replicas=1",
            "cluster.cpus_per_replica=1", "weight_transfer._target_=tests.fakes.MarksPush",
-           f"+weight_transfer.marks={marks}", f"cluster.restart_timeout_s={GIVE_UP_S}",
+           f"+weight_transfer.marks={tmp_path / 'marks'}", f"cluster.restart_timeout_s={GIVE_UP_S}",
            # each sample waits 1 s before its rollout: a driver stopped right after a checkpoint
            # has sent no request of the next step yet
            "agent=faulty", "agent.hang_rate=1.0", "agent.hang_s=1")
     cmd = _cmd(store, run_dir, run_models, "trainer.total_steps=4", *ray)
-    # 1. the only worker node lost during the weight push of version 2: exit 3
+    node_a = _lose_the_only_node(cluster, cmd, log, tmp_path / "marks")
+    out = log.read_text()
+    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
+    c, run = _run(store)
+    assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
+    assert _left_running() == []
+    assert _weight_files() == shm_before
+    params = run.data.params
+    assert params["cluster.nodes"] == "2" and params["cluster.nodes_used"] == "2"  # the head and node a
+    assert params["cluster.multi_node"] == "True" and params["cluster.cpus"] == "1.0"
+    assert params["cluster.auto_transport"] == "ObjectStoreTransport"
+    assert params["cluster.replica_nodes"] == node_a
+
+    resumed = _move_the_replica(cluster, _resume_cmd(run_dir, "cluster=ray", "cluster.restart_timeout_s=300"),
+                                log, run_dir, tmp_path / "resumed.log")
+    assert resumed == 0, log.read_text()[-4000:]
+    c, run = _run(store)
+    assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "1"
+    assert _steps(c, run, "train/loss") == [1, 2, 3, 4]  # every step once, in one MLflow run
+    assert _history(c, run, "replica/0/restarts")[-1] == 1.0
+    assert _left_running() == []
+    assert _weight_files() == shm_before
+
+
+def _lose_the_only_node(cluster, cmd, log: Path, marks: Path) -> str:
+    """Part 1: the only worker node lost during the weight push of version 2: exit 3, the
+    replica reported lost with its node, then given up. Returns the node's id."""
+    a = cluster.add_node(cpus=1)
     with open(log, "a") as f:
         proc = _start(cmd, f, cluster.env)
         try:
@@ -113,32 +138,26 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
                                rf"within {GIVE_UP_S}s")
     assert lost and gone, out[-4000:]
     print(f"node lost: {lost[0][0]:.1f} s to '{lost[0][1][:60]}', {gone[0][0]:.1f} s to given up, "
-          f"{time.time() - killed:.1f} s to exit 3 and the leftovers checked")
+          f"{time.time() - killed:.1f} s to exit 3")
     assert f"rlexp: run stopped: every rollout replica was lost (1): replica 0 on node {ids[a]}" in out
-    assert f"Resume: python -m rlexp.run resume={run_dir}" in out
-    c, run = _run(store)
-    assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
-    assert _left_running() == []
-    assert _weight_files() == shm_before
-    params = run.data.params
-    assert params["cluster.nodes"] == "2" and params["cluster.nodes_used"] == "2"  # the head and node a
-    assert params["cluster.multi_node"] == "True"
-    assert params["cluster.auto_transport"] == "ObjectStoreTransport"
-    assert params["cluster.replica_nodes"] == ids[a] and params["cluster.cpus"] == "1.0"
+    return ids[a]
 
-    # 2. two nodes join; resumed there, the replica's node lost between two steps: it moves
-    b, c2 = cluster.add_node(cpus=1), cluster.add_node(cpus=1)
+
+def _move_the_replica(cluster, cmd, log: Path, run_dir: Path, resumed: Path) -> int:
+    """Part 2: two nodes join, `cmd` resumes there; held still after its first checkpoint, the
+    replica's node is SIGKILLed: the next rollout finds it lost, Ray places it on the other
+    node. Returns the run's exit code."""
+    b, c = cluster.add_node(cpus=1), cluster.add_node(cpus=1)
+    printed = log.stat().st_size
     with open(log, "a") as f:
-        printed = log.stat().st_size
-        proc = _start(_resume_cmd(run_dir, "cluster=ray", "cluster.restart_timeout_s=300"), f, cluster.env)
+        proc = _start(cmd, f, cluster.env)
         try:
             _wait_for(run_dir / "checkpoints" / "step_2" / "meta.json", proc)
             proc.send_signal(signal.SIGSTOP)  # between steps 2 and 3: the next call is a rollout
-            resumed = Path(tmp_path / "resumed.log")
             resumed.write_bytes(log.read_bytes()[printed:])
             ids = {ip: node for node, ip in _node_ips(resumed).items()}
             (_, up), = _lines(resumed, 0, r"^ray: 1 rollout replica\(s\) up")
-            victim = next(ip for ip in (b, c2) if ids[ip] in up)
+            victim = next(ip for ip in (b, c) if ids[ip] in up)
             killed = time.time()
             cluster.kill(victim)
             # the replica's process outlives its raylet by a moment: gone, it cannot serve step 3
@@ -152,19 +171,12 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    out = log.read_bytes()[printed:].decode(errors="replace")
-    assert rc == 0, out[-4000:]
-    resumed.write_text(out)
-    other = ids[c2 if victim == b else b]
+    resumed.write_bytes(log.read_bytes()[printed:])
+    other = ids[c if victim == b else b]
     lost = _lines(resumed, killed, rf"^rollout replica 0 lost during a generation \(node {ids[victim]}\)")
     back = _lines(resumed, killed, rf"^rollout replica 0 restarted by Ray on node {other}; serves policy "
                                    r"version 2")
-    assert lost and back, out[-4000:]
+    assert lost and back, resumed.read_text()[-4000:]
     print(f"node lost: {lost[0][0]:.1f} s to the replica reported lost, {back[0][0]:.1f} s to it serving "
           "again on the other node")
-    c, run = _run(store)
-    assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "1"
-    assert _steps(c, run, "train/loss") == [1, 2, 3, 4]  # every step once, in one MLflow run
-    assert _history(c, run, "replica/0/restarts")[-1] == 1.0
-    assert _left_running() == []
-    assert _weight_files() == shm_before
+    return rc

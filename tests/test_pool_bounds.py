@@ -2,15 +2,19 @@
 cluster): a generation or a weight load past `call_timeout_s` sends the replica to a
 restart and its requests to the others; a replica not back within `restart_timeout_s` is
 given up in one log line naming it and its node, the pool serving on with the others; with
-none left the run stops (EngineDead) naming each lost replica and its node."""
+none left the run stops (EngineDead) naming each lost replica and its node. A trainer rank
+that does not finish a call in time stops the run (TrainerDead), naming it and its node
+(a real local Ray)."""
 
 import asyncio
 import logging
+import time
 
 import pytest
 
 from rlexp.cluster.pool import RolloutPool
-from rlexp.errors import EngineDead
+from rlexp.cluster.trainer_group import TrainerGroup
+from rlexp.errors import EngineDead, TrainerDead
 from tests.test_cluster import SAMPLING, FakeReplica
 
 
@@ -79,3 +83,26 @@ def test_a_weight_load_past_the_call_timeout_leaves_the_replica_to_its_restart(k
         assert pool._healthy == [False, True] and killed[-1] == (a, True)
 
     asyncio.run(main())
+
+
+class _SlowRank:
+    """A trainer rank whose fit takes a minute."""
+
+    def fit(self, batch, version):
+        time.sleep(60)
+
+
+@pytest.mark.ray
+def test_a_trainer_rank_past_the_call_timeout_stops_the_run():
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        rank = ray.remote(num_cpus=0)(_SlowRank).remote()
+        group = TrainerGroup([rank], [0], ["node-a"], call_timeout_s=1.0)
+        with pytest.raises(TrainerDead, match=r"trainer rank\(s\) \[0\] \(node\(s\) \['node-a'\]\) did not "
+                                              r"finish fit within 1s \(cluster.call_timeout_s\)"):
+            group.fit([], 1)
+        group.shutdown()
+    finally:
+        ray.shutdown()
