@@ -66,7 +66,7 @@ def test_a_generation_past_the_call_timeout_restarts_its_replica_and_goes_to_ano
                for r in caplog.records)
 
 
-def test_a_weight_load_past_the_call_timeout_leaves_the_replica_to_its_restart(killed):
+def test_a_weight_load_past_the_call_timeout_leaves_the_replica_to_its_restart(killed, caplog):
     async def main():
         pool, (a, b) = _pool(call_timeout_s=0.2, restart_timeout_s=0.5)
         hung = asyncio.Event()
@@ -79,10 +79,14 @@ def test_a_weight_load_past_the_call_timeout_leaves_the_replica_to_its_restart(k
         await pool.load_weights("/dir", 3)  # returns: the other replica serves version 3
         assert b.version == pool.version == 3 and pool._healthy == [False, True]
         assert killed == [(a, False)]
-        await asyncio.wait(list(pool._recovering.values()))  # its catch-up hangs too: given up
+        await asyncio.wait(list(pool._recovering.values()))  # back on "node", its catch-up hangs: given up
         assert pool._healthy == [False, True] and killed[-1] == (a, True)
 
-    asyncio.run(main())
+    with caplog.at_level(logging.WARNING, logger="rlexp.cluster.pool"):
+        asyncio.run(main())
+    (gone,) = [r.getMessage() for r in caplog.records if "lost for good" in r.getMessage()]
+    assert gone == ("rollout replica 0 lost for good (node node): ReplicaTimeout: rollout replica 0 did "
+                    "not answer within 0.2s (cluster.call_timeout_s); going on with 1 of 2 replica(s)")
 
 
 class _SlowRank:

@@ -36,8 +36,9 @@ from rlexp.weights.protocols import EngineProcess
 log = logging.getLogger(__name__)
 
 
-class ReplicaTimeout(TimeoutError):
-    """A replica did not answer a call within `call_timeout_s`."""
+class ReplicaTimeout(Exception):
+    """A replica did not answer a call within `call_timeout_s` (not a TimeoutError: that one
+    is a restart not done in time)."""
 
 
 def _lost(e: BaseException) -> bool:
@@ -191,11 +192,11 @@ class RolloutPool:
             # version 0 until the next sync; its tokens say so.
             log.warning("rollout replica %d restarted by Ray on node %s; serves policy version %d (%.1fs)",
                         i, self.nodes[i], version, time.monotonic() - t0)
+        except (ActorDiedError, ReplicaTimeout) as e:
+            self._give_up(i, _first_line(e))
         except TimeoutError:
             self._give_up(i, f"not running again within {self.restart_timeout_s:g}s of its loss "
                              "(cluster.restart_timeout_s): no node has room for it")
-        except (ActorDiedError, ReplicaTimeout) as e:
-            self._give_up(i, _first_line(e))
         finally:
             self._recovering.pop(i, None)
 
@@ -214,7 +215,7 @@ class RolloutPool:
         """The current weights, sleep and pause state into restarted replica `i`."""
         actor, bound = self.actors[i], self.call_timeout_s
         if self._reload is not None:
-            await asyncio.wait_for(self._reload(actor), bound)
+            await self._bounded(self._reload(actor), i)
         if self._sleeping:
             await answer(actor.sleep.remote(), bound, f"rollout replica {i}")
         if self._paused_with is not None:
