@@ -84,13 +84,18 @@ def _open(tmp_path, models, *overrides, steps=STEPS, submit_to=None):
 IDENTICAL = ("rollout/reward_mean", "rollout/tokens", "rollout/response_length_mean", "samples/completed",
              "eval/accuracy", "eval/reward_mean", "train/response_tokens")
 # Bounded: 2 FSDP ranks sum the gradients in another order than one process, so float32
-# rounding (eps 1.2e-7) leaves the weights 1e-6 apart after a fit (tests/test_trainer_ranks.py
-# bounds it at 1.3e-6). Measured over 3 steps: loss 5.3e-8, grad norm 7.2e-7 (2.7e-7
-# relative), entropy and ratios 3.6e-7. A sharding bug (a rank's rows dropped or counted twice,
-# a wrong divisor) moves them by percents.
-DRIFT = {"train/loss": 1e-6, "train/grad_norm": 1e-5, "train/entropy": 1e-5, "train/ratio_mean": 1e-5}
+# rounding (eps 1.2e-7) leaves the gradients 1e-7 apart (tests/test_trainer_ranks.py bounds
+# one update's weights at 1.3e-6). AdamW divides by sqrt(v): where a gradient is near 0 that
+# rounding can change a step by up to the learning rate, so the weights, and what later steps
+# sample with them, drift further. Measured over 3 steps: loss 5.3e-8, grad norm 7.2e-7 (2.7e-7
+# relative), entropy and ratios 3.6e-7 to 1.1e-5; sampled logprobs 0 at step 1 (the same
+# weights), 1e-6 to 7e-6 at step 2, 2e-6 to 3.1e-4 at step 3. A sharding bug (a rank's rows
+# dropped or counted twice, a wrong divisor) moves them by percents. What the object store
+# delivers is exact: the ray run's sync check (engine vs its own trainer) stays at 1e-6.
+DRIFT = {"train/loss": 1e-6, "train/grad_norm": 1e-5, "train/entropy": 1e-4, "train/ratio_mean": 1e-4}
 TRACE_ROUNDING = 1e-6  # traces keep logprobs to 6 decimals
-FIT_DRIFT_LOGPROB = 1e-5  # what a fit's 1e-6 weight drift may move a sampled token's logprob by
+FIT_DRIFT_LOGPROB = 1e-3  # what the ranks' drift may move a sampled token's logprob by, per fit
+SYNC_EXACT = 1e-5  # engine vs trainer on the same weights in fp32 (measured 8e-7 to 2e-6)
 
 
 def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_process(tmp_path, models,
@@ -107,9 +112,7 @@ def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_p
         a, b = _traces(*local, step), _traces(*ray, step)
         assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b], step
         diff = max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra["logprobs"], rb["logprobs"]))
-        # step 1 samples from the same weights (measured 0); each fit adds its drift (DRIFT):
-        # measured 1e-6 to 7e-6 at step 2, 2e-6 at step 3; a sharding bug moves them by 1e-2
-        assert diff <= TRACE_ROUNDING + (step - 1) * FIT_DRIFT_LOGPROB, (step, diff)
+        assert diff <= TRACE_ROUNDING + (step - 1) * FIT_DRIFT_LOGPROB, (step, diff)  # see DRIFT
     for key in IDENTICAL:
         assert _history(*local, key) == _history(*ray, key), key
         assert len(_history(*local, key)) in (STEPS, STEPS + 1), key  # eval also runs at step 0
@@ -118,6 +121,8 @@ def test_two_replicas_and_two_ranks_on_two_nodes_train_like_one_engine_and_one_p
         assert len(la) == len(lb) == STEPS and la != [0.0] * STEPS, key
         assert lb == pytest.approx(la, rel=rel, abs=1e-6), key
     client, run = ray
+    assert max(_history(client, run, "sync/logprob_diff_max")) <= SYNC_EXACT  # every sync delivered
+    assert _steps(client, run, "sync/logprob_diff_max") == list(range(1, STEPS + 1))
     params = run.data.params
     replica_nodes = params["cluster.replica_nodes"].split(",")
     trainer_nodes = params["cluster.trainer_nodes"].split(",")
