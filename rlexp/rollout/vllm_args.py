@@ -48,4 +48,13 @@ def device_args(on_gpu: bool, kv_cache_gb: float, gpu_memory_utilization: float,
         out |= {"gpu_memory_utilization": gpu_memory_utilization, "tensor_parallel_size": gpus_per_replica}
     else:
         out["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        out |= IN_ENGINE_PROCESS
     return out
+
+
+# On the CPU, vLLM's default runs its one worker in a process of its own beside the engine
+# core's: a second spawned process that imports vLLM again (~17 s of each engine start on a
+# 2-core machine) and busy-polls its queue. "uni" runs the worker in the engine core's process;
+# vLLM keeps it only while VLLM_ENABLE_V1_MULTIPROCESSING=0 (CPU_ENV) is set at the start.
+IN_ENGINE_PROCESS = {"distributed_executor_backend": "uni"}
+CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -121,7 +121,7 @@ class VLLMEngine:
         orphans.reap(reaper.TEMP_PREFIX)
         self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
         before, names_before = reaper.snapshot(), reaper.temp_names()
-        with _env(VLLM_RPC_BASE_PATH=str(self._temp)):
+        with _env(VLLM_RPC_BASE_PATH=str(self._temp), **({} if on_gpu else vllm_args.CPU_ENV)):
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._reaper = reaper.start(before)
         orphans.own(self._temp, reaper.new_temp_files(before, names_before))
