@@ -156,8 +156,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=12, help="steps per block (the first 2 untimed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
-    p.add_argument("--spin", action="store_true",
-                   help="also run rlexp with vLLM's own 1 s idle spin (rollout.idle_spin_s=null)")
     p.add_argument("--side", choices=["naive", "rlexp"], help=argparse.SUPPRESS)
     p.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -170,19 +168,12 @@ def main() -> None:
 
     me = [sys.executable, __file__, "--steps", str(args.steps), "--side"]
     sides = {"naive": [*me, "naive"], "rlexp": [*me, "rlexp"]}
-    if args.spin:
-        sides["spin1s"] = [*me, "rlexp", "--overrides", "rollout.idle_spin_s=null"]
     steps = alternate_blocks(sides, args.blocks, WARMUP)
     times = {side: [s["whole"] for s in records] for side, records in steps.items()}
     naive, ours = statistics.median(times["naive"]), statistics.median(times["rlexp"])
     inner = statistics.median(s["step"] for s in steps["rlexp"])
     print(f"median whole step (logging included) over {len(times['naive'])} timed steps each: "
           f"rlexp {ours:.3f} s, naive {naive:.3f} s; rlexp's timing/step_s (no logging) {inner:.3f} s")
-    if args.spin:
-        fits = {side: statistics.median(s["fit"] for s in steps[side]) for side in ("rlexp", "spin1s")}
-        spin = statistics.median(times["spin1s"])
-        print(f"vLLM's 1 s idle spin: step {spin:.3f} s, fit {fits['spin1s']:.3f} s; "
-              f"with idle_spin_s=0.05: step {ours:.3f} s, fit {fits['rlexp']:.3f} s")
     print(f"ratio: {ours / naive:.3f}")
 
 

@@ -172,7 +172,6 @@ def test_sync_run_killed_twice_and_losing_its_engine_matches_an_uninterrupted_ru
     print(f"kill points: {mid_step:.2f} s after the 1st checkpoint, {start_up:.2f} s into the 2nd resume")
     orphans = _kill(_cmd(store, run_dir, run_models, *PPO), log, run_dir, 1, mid_step)
     assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
-    assert [p for p in orphans if p.name.startswith("psm_")], "no vLLM shared memory was listed"
 
     rc, out, left = _lose_engine(_resume_cmd(run_dir), log, run_dir)
     orphans |= left

@@ -383,9 +383,9 @@ class VLLMEngine:
         if llm is None:
             return
         try:
-            # vLLM's default 5 s is less than its engine process needs to tear down (its
-            # worker alone takes ~3 s to exit on 2 cores): it then SIGKILLs the engine
-            # mid-teardown and warns. A dead engine process is not waited for.
+            # vLLM's default 5 s is less than its engine process may need to tear down
+            # (4-6 s on 2 cores): it then SIGKILLs the engine mid-teardown and warns. A
+            # dead engine process is not waited for.
             llm.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         finally:
             reaper.stop(self._reaper)
