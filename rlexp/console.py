@@ -12,6 +12,17 @@ import warnings
 # two FutureWarnings per process start, in vLLM's code, not ours to fix.
 REDUCE_OP_WARNING = "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"
 
+# Started on the CPU, vLLM warns that VLLM_ENABLE_V1_MULTIPROCESSING=0 "may affect the random
+# state of the Python process that launched vLLM". rlexp sets it while an engine starts only so
+# that vLLM keeps its worker in the engine core's process (rlexp/rollout/vllm_args.py); the
+# engine core still runs in a process of its own, and a run's numbers are the same either way.
+SEED_WARNING = "The global random seed is set to"
+
+
+class _NoSeedWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(SEED_WARNING)
+
 
 def quiet_third_party() -> None:
     # vLLM logs four INFO lines per weight update (pause, reset prefix cache, reload, unpause)
@@ -30,3 +41,6 @@ def quiet_third_party() -> None:
     # MLflow database tables" are INFO about its own housekeeping.
     for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    arg_utils = logging.getLogger("vllm.engine.arg_utils")
+    if not any(isinstance(f, _NoSeedWarning) for f in arg_utils.filters):
+        arg_utils.addFilter(_NoSeedWarning())
