@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.processes import running_cmdline
+
 VENV_BIN = Path(sys.executable).parent
 STARTED = "Ray runtime started"
 START_FAILSAFE_S = 120  # turns a node that never comes up into a failure
@@ -128,8 +130,7 @@ class RayNodes:
                 proc.wait()
         self._procs.clear()
         self._ips.clear()
-        return [" ".join(p.cmdline())[:100] for p in psutil.process_iter()
-                if _group(p) in groups and p.status() != psutil.STATUS_ZOMBIE]
+        return [cmd for p in psutil.process_iter() if _group(p) in groups and (cmd := running_cmdline(p))]
 
 
 def _group(p: psutil.Process) -> int | None:

@@ -22,6 +22,7 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
+from tests.processes import running_cmdline
 from tests.ray_nodes import VENV_BIN
 from tests.test_resume import _resume_cmd, _run, _start, _steps, _wait_for
 from tests.test_run import _history, _traces
@@ -165,7 +166,7 @@ def _kill_when(path, cmd, log, victim):
 
 def _trainer_worker(proc) -> psutil.Process:
     workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-               if "ray::TrainerWorker" in " ".join(p.cmdline())]
+               if "ray::TrainerWorker" in (running_cmdline(p) or "")]
     assert len(workers) == 2, workers
     return workers[-1]
 
@@ -221,7 +222,7 @@ def _assert_all_seen_exit(seen: dict, log: Path) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):  # part 1's engine core is long gone
             procs.append(psutil.Process(pid))
     _, alive = psutil.wait_procs(procs, timeout=60)
-    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    assert not [cmd for p in alive if (cmd := running_cmdline(p))]
 
 
 def test_killed_trainer_worker_then_driver_resume_with_one_then_two_workers(tmp_path, models):

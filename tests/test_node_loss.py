@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.processes import running_cmdline
 from tests.ray_nodes import RayNodes
 from tests.test_resume import ROOT, _cmd, _resume_cmd, _run, _steps, _wait_for
 from tests.test_run import _history
@@ -73,7 +74,7 @@ def _left_running() -> list[str]:
         if "EngineReplica" in cmd or "VLLM::EngineCore" in cmd:
             procs.append(p)
     _, alive = psutil.wait_procs(procs, timeout=60)
-    return [" ".join(p.cmdline())[:100] for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    return [cmd for p in alive if (cmd := running_cmdline(p))]
 
 
 def _weight_files() -> set[Path]:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from rlexp.checkpoint import checkpoints
 from rlexp.trainer.critic import CRITIC_FILE
+from tests.processes import running_cmdline
 from tests.test_run import _history, _traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def _kill(cmd, log, run_dir: Path, new_checkpoints: int, delay: float) -> set[Pa
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             gone, alive = psutil.wait_procs(engine, timeout=20)
-            assert not [p for p in alive if "VLLM" in " ".join(p.cmdline())], "orphaned vLLM engine"
+            assert not [p for p in alive if "VLLM" in (running_cmdline(p) or "")], "orphaned vLLM engine"
             return left
         finally:
             for p in psutil.process_iter():
