@@ -52,8 +52,13 @@ pins: $(STAMP)
 lock:
 	bash scripts/lock.sh
 
+# The suite in two parts: the tests that can share the machine on TEST_WORKERS pytest workers,
+# each worker taking whole files (a module's engine is started once), then the "serial" and "ray"
+# tests alone (pyproject.toml: markers). Both parts run; either failing fails make test.
+TEST_WORKERS ?= 2
 test: pins lint docs-check browser envs slurm
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not (serial or ray)"; shared=$$?; \
+	$(PY) -m pytest -m "serial or ray" && exit $$shared
 
 # Headless Chromium for the MLflow UI test. Without it that test is skipped, except under CI
 # (CI set, as .ci/run does), where a failed install stops `make test`.

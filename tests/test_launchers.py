@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.slurm import ROOT, run_slurm, slurm_out
 
+pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 FAILSAFE_S = 600  # for a sweep here; 3 jobs of 2 steps take about a minute on 2 cores
 
 

@@ -17,6 +17,8 @@ from rlexp.cluster.trainer_group import TrainerGroup
 from rlexp.errors import EngineDead, TrainerDead
 from tests.test_cluster import SAMPLING, FakeReplica
 
+pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml: a healthy fake replica answers within 0.2 s
+
 
 def _pool(call_timeout_s=60.0, restart_timeout_s=60.0):
     actors = [FakeReplica(i) for i in range(2)]

@@ -23,6 +23,7 @@ from rlexp.trainer.critic import CRITIC_FILE
 from tests.processes import running_cmdline
 from tests.test_run import _history, _traces
 
+pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 # Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
