@@ -84,6 +84,8 @@ def _weight_files() -> set[Path]:
 def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replica(tmp_path, run_models,
                                                                                   new_store, cluster):
     store, run_dir, log = new_store(tmp_path), tmp_path / "out", tmp_path / "run.log"
+    # a killed run's directory from an earlier test may be there, and this run's orphan sweep
+    # may remove it: only what this run adds counts
     shm_before = _weight_files()
     ray = ("cluster=ray", f"cluster.address={cluster.address}", "rollout.replicas=1",
            "cluster.cpus_per_replica=1", "weight_transfer._target_=tests.fakes.MarksPush",
@@ -98,7 +100,7 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
     c, run = _run(store)
     assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
     assert _left_running() == []
-    assert _weight_files() == shm_before
+    assert not _weight_files() - shm_before
     params = run.data.params
     assert params["cluster.nodes"] == "2" and params["cluster.nodes_used"] == "2"  # the head and node a
     assert params["cluster.multi_node"] == "True" and params["cluster.cpus"] == "1.0"
@@ -113,7 +115,7 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
     assert _steps(c, run, "train/loss") == [1, 2, 3, 4]  # every step once, in one MLflow run
     assert _history(c, run, "replica/0/restarts")[-1] == 1.0
     assert _left_running() == []
-    assert _weight_files() == shm_before
+    assert not _weight_files() - shm_before
 
 
 def _lose_the_only_node(cluster, cmd, log: Path, marks: Path) -> str:
