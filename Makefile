@@ -53,12 +53,15 @@ lock:
 	bash scripts/lock.sh
 
 # The suite in two parts: the tests that can share the machine on TEST_WORKERS pytest workers,
-# each worker taking whole files (a module's engine is started once), then the "serial" and "ray"
-# tests alone (pyproject.toml: markers). Both parts run; either failing fails make test.
+# each worker taking a whole file at a time (a module's engine is started once), the costliest
+# first, and the Ray files one after another (tests/conftest.py); then the "serial" tests alone
+# (pyproject.toml: markers). Both parts run; either failing fails make test. The JUnit reports
+# feed scripts/test_durations.py.
 TEST_WORKERS ?= 2
 test: pins lint docs-check browser envs slurm
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not (serial or ray)"; shared=$$?; \
-	$(PY) -m pytest -m "serial or ray" && exit $$shared
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" \
+	  --junitxml=.cache/tests-shared.xml; shared=$$?; \
+	$(PY) -m pytest -m serial --junitxml=.cache/tests-serial.xml && exit $$shared
 
 # Headless Chromium for the MLflow UI test. Without it that test is skipped, except under CI
 # (CI set, as .ci/run does), where a failed install stops `make test`.

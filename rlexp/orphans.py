@@ -8,6 +8,11 @@ however it dies (SIGKILL included), so a directory whose lock can be taken has n
 
 State that cannot live inside the directory (the /dev/shm segments vLLM's engine processes
 create) is listed in its `.owned` file (`own`) and removed with it.
+
+Where these directories go: under `$RLEXP_TEMP_DIR` when it is set (the weight files, vLLM's
+sockets, and, through `TMPDIR`, every temporary file of the run's processes), so that one
+run's temporary state is one directory of its own; else the weight files in /dev/shm (RAM)
+and the rest in the system's temp dir.
 """
 
 from __future__ import annotations
@@ -23,15 +28,39 @@ from collections.abc import Iterable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+TEMP_DIR_ENV = "RLEXP_TEMP_DIR"
 LOCK = ".owner.lock"
 OWNED = ".owned"  # paths outside the directory that go with it, one per line
 UNLOCKED_GRACE_S = 60.0  # a directory is created before its lock: leave young ones alone
 
 
+def temp_root() -> str:
+    """Where a run's temporary directories go: `$RLEXP_TEMP_DIR`, else the system's temp dir."""
+    return os.environ.get(TEMP_DIR_ENV) or tempfile.gettempdir()
+
+
+def ram_root() -> str | None:
+    """Where files meant to live in RAM go: `$RLEXP_TEMP_DIR` (put it on a tmpfs for that),
+    else /dev/shm where there is one (None: the system's temp dir)."""
+    if os.environ.get(TEMP_DIR_ENV):
+        return os.environ[TEMP_DIR_ENV]
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+
+
+def use_temp_root() -> None:
+    """With `$RLEXP_TEMP_DIR` set: create it, and make it this process's and its children's
+    temp dir (`TMPDIR`), so that nothing the run starts writes its temporary files elsewhere."""
+    root = os.environ.get(TEMP_DIR_ENV)
+    if root:
+        os.makedirs(root, exist_ok=True)
+        os.environ["TMPDIR"] = root
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
 def owned_tempdir(prefix: str, parent: str | None = None) -> tuple[Path, int]:
-    """A new directory under `parent` (default: the system's temp dir), locked by this
-    process; returns it and the lock's file descriptor (closing it releases the lock)."""
-    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    """A new directory under `parent` (default: `temp_root()`), locked by this process;
+    returns it and the lock's file descriptor (closing it releases the lock)."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent or temp_root()))
     fd = os.open(directory / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return directory, fd
@@ -56,7 +85,7 @@ def remove(directory: Path, lock: int | None = None) -> None:
 
 def reap(prefix: str, parent: str | None = None) -> list[Path]:
     """Remove the directories `<parent>/<prefix>*` whose owner has died; returns them."""
-    root = Path(parent or tempfile.gettempdir())
+    root = Path(parent or temp_root())
     removed = []
     for directory in root.glob(prefix + "*"):
         if directory.is_dir() and not _owned(directory):

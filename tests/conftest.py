@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.durations import group_seconds
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Ray's token authentication, as a local ray.init() turns it on by default; set before Ray is
@@ -27,13 +29,30 @@ TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_st
                task_eval_size=200, task_seed=0)
 
 
+# Files whose tests start Ray clusters on this host: `make test`'s workers run them one after
+# another on one worker (xdist group "ray"), because `cluster.address=auto` joins the newest
+# cluster started on the host, whichever test started it.
+RAY_FILES = ("test_cluster.py", "test_cluster_runs.py", "test_pool_bounds.py", "test_ray_gpu.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """vLLM, Ray and reasoning-gym are pinned (requirements/): a test that needs one imports it
-    and fails if the install is broken; only a missing GPU skips."""
+    and fails if the install is broken; only a missing GPU skips. Under `--dist loadgroup`
+    (make test) a worker takes a whole file, or the whole "ray" group, at a time; the costliest
+    go first (tests/durations.py), so that no long file starts last."""
     has_cuda = torch.cuda.is_available()
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    cost = group_seconds((_group(item) for item in items), {"ray": RAY_FILES})
+    items.sort(key=lambda item: -cost[_group(item)])  # stable: a file's tests keep their order
+
+
+def _group(item) -> str:
+    name = item.path.name
+    return "ray" if name in RAY_FILES else name
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +112,24 @@ def new_store(tmp_path_factory):
         return directory
 
     return make
+
+
+@pytest.fixture
+def run_temp(monkeypatch):
+    """A temporary root of this test's own (`RLEXP_TEMP_DIR`, inherited by the runs it starts):
+    their weight files, vLLM's sockets and every temporary file go there, so that "a killed run
+    leaves nothing" is checked on this directory, never on the machine's /dev/shm or /tmp, where
+    other workers' runs write. Short (a unix socket's path is at most 107 bytes) and in RAM."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from rlexp import orphans
+
+    root = Path(tempfile.mkdtemp(prefix="rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    monkeypatch.setenv(orphans.TEMP_DIR_ENV, str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

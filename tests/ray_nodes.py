@@ -60,6 +60,7 @@ class RayNodes:
         self.address = f"{self.head_ip}:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self._procs: list[subprocess.Popen] = []
+        self._groups: set[int] = set()  # the process group of every node ever started (killed ones too)
         self._ips: list[str] = []  # each running node's address, the head's as "head"
         self._added = 0  # worker nodes ever added: each gets the next loopback address
         self.cpus = 0  # the cluster's CPUs: the worker nodes'
@@ -105,6 +106,7 @@ class RayNodes:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env | (env or {}),
                                     start_new_session=True)
         self._procs.append(proc)
+        self._groups.add(proc.pid)
         self._ips.append(name.removeprefix("node-"))
         deadline = time.monotonic() + START_FAILSAFE_S
         while STARTED not in log.read_text():
@@ -131,6 +133,12 @@ class RayNodes:
         self._procs.clear()
         self._ips.clear()
         return [cmd for p in psutil.process_iter() if _group(p) in groups and (cmd := running_cmdline(p))]
+
+
+    def processes(self) -> list[psutil.Process]:
+        """The processes of this cluster's nodes, killed nodes' included: those still in the
+        process group of a node's `ray start` (each node is one group)."""
+        return [p for p in psutil.process_iter() if _group(p) in self._groups]
 
 
 def _group(p: psutil.Process) -> int | None:

@@ -23,7 +23,6 @@ from rlexp.rollout.accounting import conversation, generated_tokens
 from rlexp.sample import Generation, SamplingConfig
 from tests.test_engines import TEMPERATURE, _max_logprob_diff, _prompts, _trainer
 
-pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 SAMPLING = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
 RESTART_FAILSAFE_S = 600  # turns a restart that never comes into a failure
 

@@ -23,20 +23,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlexp import orphans
 from tests.processes import running_cmdline
 from tests.ray_nodes import RayNodes
 from tests.test_resume import ROOT, _cmd, _resume_cmd, _run, _steps, _wait_for
 from tests.test_run import _history
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.serial]  # see pyproject.toml
 HEALTH = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
 GIVE_UP_S = 10  # cluster.restart_timeout_s of part 1: no node can take the replica
 LINE = re.compile(r"^\[([\d-]+ [\d:,]+)\]\[([\w.]+)\]\[\w+\] - (.*)$")
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    nodes = RayNodes(tmp_path / "ray").start(**HEALTH)
+def cluster(tmp_path, run_temp):
+    nodes = RayNodes(tmp_path / "ray").start(**HEALTH)  # its nodes' processes write into run_temp
     try:
         yield nodes
     finally:
@@ -66,27 +67,23 @@ def _node_ips(log: Path) -> dict[str, str]:
     return dict(re.findall(r"(\w{8}) ([\d.]+) \d+ CPU", line))
 
 
-def _left_running() -> list[str]:
-    """Replicas and vLLM engine cores still running a minute after the run (none expected)."""
-    procs = []
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "EngineReplica" in cmd or "VLLM::EngineCore" in cmd:
-            procs.append(p)
+def _left_running(cluster: RayNodes) -> list[str]:
+    """The cluster's replicas and vLLM engine cores still running a minute after the run (none
+    expected)."""
+    procs = [p for p in cluster.processes()
+             if "EngineReplica" in (cmd := running_cmdline(p) or "") or "VLLM::EngineCore" in cmd]
     _, alive = psutil.wait_procs(procs, timeout=60)
     return [cmd for p in alive if (cmd := running_cmdline(p))]
 
 
 def _weight_files() -> set[Path]:
-    return set(Path("/dev/shm").glob("rlexp-weights-*"))
+    """Weight files in the test's own temporary root (the `run_temp` fixture)."""
+    return set(Path(os.environ[orphans.TEMP_DIR_ENV]).glob("rlexp-weights-*"))
 
 
 def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replica(tmp_path, run_models,
                                                                                   new_store, cluster):
     store, run_dir, log = new_store(tmp_path), tmp_path / "out", tmp_path / "run.log"
-    # a killed run's directory from an earlier test may be there, and this run's orphan sweep
-    # may remove it: only what this run adds counts
-    shm_before = _weight_files()
     ray = ("cluster=ray", f"cluster.address={cluster.address}", "rollout.replicas=1",
            "cluster.cpus_per_replica=1", "weight_transfer._target_=tests.fakes.MarksPush",
            f"+weight_transfer.marks={tmp_path / 'marks'}", f"cluster.restart_timeout_s={GIVE_UP_S}",
@@ -99,8 +96,8 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
     assert f"Resume: python -m rlexp.run resume={run_dir}" in out
     c, run = _run(store)
     assert run.info.status == "FAILED" and "EngineDead" in run.data.tags["rlexp.error"]
-    assert _left_running() == []
-    assert not _weight_files() - shm_before
+    assert _left_running(cluster) == []
+    assert not _weight_files()
     params = run.data.params
     assert params["cluster.nodes"] == "2" and params["cluster.nodes_used"] == "2"  # the head and node a
     assert params["cluster.multi_node"] == "True" and params["cluster.cpus"] == "1.0"
@@ -114,8 +111,8 @@ def test_a_lost_node_stops_the_run_cleanly_and_a_node_with_room_takes_its_replic
     assert run.info.status == "FINISHED" and run.data.tags["rlexp.resumes"] == "1"
     assert _steps(c, run, "train/loss") == [1, 2, 3, 4]  # every step once, in one MLflow run
     assert _history(c, run, "replica/0/restarts")[-1] == 1.0
-    assert _left_running() == []
-    assert not _weight_files() - shm_before
+    assert _left_running(cluster) == []
+    assert not _weight_files()
 
 
 def _lose_the_only_node(cluster, cmd, log: Path, marks: Path) -> str:

@@ -72,3 +72,35 @@ def test_stopping_the_reaper_kills_the_watched_processes_that_outlive_the_grace(
     assert r.process.poll() is not None  # the reaper itself is gone
     other.kill()
     other.wait()
+
+
+def test_with_a_temp_root_the_weights_sockets_and_every_child_temp_file_go_there(tmp_path, monkeypatch):
+    """`RLEXP_TEMP_DIR`: the weight file's directory (RAM), vLLM's socket directory and, through
+    TMPDIR, what a child process of the run makes with `tempfile`, all under that root."""
+    import tempfile
+
+    from rlexp.rollout.reaper import TEMP_PREFIX
+    from rlexp.weights.ram_file import RamFileTransport
+
+    root = tmp_path / "run-temp"
+    monkeypatch.setenv(orphans.TEMP_DIR_ENV, str(root))
+    monkeypatch.delenv("TMPDIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    orphans.use_temp_root()
+    transport = RamFileTransport()
+    sockets, lock = orphans.owned_tempdir(TEMP_PREFIX)
+    child = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert transport.directory.parent == root and sockets.parent == root
+    assert os.path.dirname(child) == str(root)
+    transport.close()
+    orphans.remove(sockets, lock)
+    assert sorted(p.name for p in root.iterdir()) == [os.path.basename(child)]
+
+
+def test_without_a_temp_root_weights_go_to_ram_and_the_rest_to_the_system_temp_dir(monkeypatch):
+    import tempfile
+
+    monkeypatch.delenv(orphans.TEMP_DIR_ENV, raising=False)
+    assert orphans.ram_root() == ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    assert orphans.temp_root() == tempfile.gettempdir()

@@ -21,7 +21,6 @@ from rlexp.weights.protocols import in_process
 from rlexp.weights.ram_file import RamFileTransport
 from tests.test_engines import TEMPERATURE, _check_engine, _max_logprob_diff, _prompts, _trainer
 
-pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="NCCL needs the trainer and the engine on different GPUs")
 

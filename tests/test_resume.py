@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,12 +17,12 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
+from rlexp import orphans
 from rlexp.checkpoint import checkpoints
 from rlexp.trainer.critic import CRITIC_FILE
 from tests.processes import running_cmdline
 from tests.test_run import _history, _traces
 
-pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 # Not compared: wall-clock and memory measurements (a process's peak RSS is not set by the seed).
@@ -78,9 +77,11 @@ def _until_next_save(run_dir: Path, proc, delay: float) -> None:
 
 
 def _temp_state() -> set[Path]:
-    """rlexp's temporary state: weight directories in /dev/shm, vLLM engine directories
-    (its sockets) in /tmp, and the shared-memory files those list as theirs."""
-    dirs = {*Path("/dev/shm").glob("rlexp-weights-*"), *Path(tempfile.gettempdir()).glob("rlexp-vllm-*")}
+    """The runs' temporary state in the test's own root (the `run_temp` fixture): weight
+    directories, vLLM engine directories (its sockets), and the shared-memory files those list
+    as theirs."""
+    root = Path(os.environ[orphans.TEMP_DIR_ENV])
+    dirs = {*root.glob("rlexp-weights-*"), *root.glob("rlexp-vllm-*")}
     owned = {Path(p) for d in dirs if (d / ".owned").is_file() for p in (d / ".owned").read_text().split()}
     return dirs | owned
 
@@ -155,7 +156,7 @@ def _lose_engine(cmd, log: Path, run_dir: Path) -> tuple[int, str, set[Path]]:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_sync_run_killed_twice_and_losing_its_engine_matches_an_uninterrupted_run(tmp_path, run_models,
-                                                                                  new_store):
+                                                                                  new_store, run_temp):
     """PPO with a critic (its weights, optimizer and lr schedule are checkpointed beside the
     policy's), stopped three times and resumed each time: SIGKILLed after its 1st checkpoint
     (mid-step, mid-evaluation or mid-save); its vLLM engine killed after the 1st resume's
@@ -172,20 +173,20 @@ def test_sync_run_killed_twice_and_losing_its_engine_matches_an_uninterrupted_ru
     # start of the 2nd resume (config, model, MLflow clean-up or engine start-up)
     mid_step, start_up = rng.uniform(0, 2.0), rng.uniform(2.0, 12.0)
     print(f"kill points: {mid_step:.2f} s after the 1st checkpoint, {start_up:.2f} s into the 2nd resume")
-    orphans = _kill(_cmd(store, run_dir, run_models, *PPO), log, run_dir, 1, mid_step)
-    assert {p.name.split("-")[1] for p in orphans if p.name.startswith("rlexp-")} == {"weights", "vllm"}
+    left_behind = _kill(_cmd(store, run_dir, run_models, *PPO), log, run_dir, 1, mid_step)
+    assert {p.name.split("-")[1] for p in left_behind if p.name.startswith("rlexp-")} == {"weights", "vllm"}
 
     rc, out, left = _lose_engine(_resume_cmd(run_dir), log, run_dir)
-    orphans |= left
+    left_behind |= left
     assert rc == 3, out[-3000:]
     assert "rlexp: run stopped: the vLLM engine process died" in out
     assert f"Resume: python -m rlexp.run resume={run_dir}" in out
     _, stopped = _run(store)
     assert stopped.info.status == "FAILED" and "EngineDead" in stopped.data.tags["rlexp.error"]
 
-    orphans |= _kill(_resume_cmd(run_dir), log, run_dir, 0, start_up)
+    left_behind |= _kill(_resume_cmd(run_dir), log, run_dir, 0, start_up)
     _finish(_resume_cmd(run_dir), log)
-    assert not [d for d in orphans if d.exists()], "temporary files of stopped runs were left behind"
+    assert not [d for d in left_behind if d.exists()], "temporary files of stopped runs were left behind"
 
     (c_ref, ref), (c, run) = _run(ref_store), _run(store)
     assert run.info.status == "FINISHED"

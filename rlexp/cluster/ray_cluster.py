@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -261,8 +260,7 @@ class RayCluster:
             ray.shutdown()
         reaper.stop(self.__dict__.pop("_reaper", None))
         # A replica on this host that died with its node (or was killed) left its weight file
-        if Path("/dev/shm").is_dir():
-            orphans.reap(RamFileTransport.PREFIX, "/dev/shm")
+        orphans.reap(RamFileTransport.PREFIX, orphans.ram_root())
 
 
 def _bundle_nodes(pg: Any) -> list[str]:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -55,14 +55,14 @@ def snapshot() -> set[tuple[int, float]]:
 def temp_names() -> set[str]:
     """The names in /dev/shm and the temp dir now."""
     shm = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {*shm, *os.listdir(tempfile.gettempdir())}
+    return {*shm, *os.listdir(orphans.temp_root())}
 
 
 def new_temp_files(before: set[tuple[int, float]], names_before: set[str]) -> list[str]:
     """Files in /dev/shm and the temp dir that are new since `names_before` and that this
     process or those started since `before` map or hold open: vLLM's message queues (~160 MB
     of RAM each) and its torch.distributed store, which a killed engine leaves behind."""
-    roots = ("/dev/shm/", tempfile.gettempdir() + "/")
+    roots = ("/dev/shm/", orphans.temp_root() + "/")
     paths: set[str] = set()
     for pid in [os.getpid(), *(pid for pid, _ in snapshot() - before)]:
         with contextlib.suppress(OSError):
@@ -132,6 +132,10 @@ def _running(p: psutil.Process) -> bool:
 
 
 def main(args: list[str]) -> None:
+    # Ctrl-C reaches the whole process group, SLURM's SIGTERM every process of the job: the
+    # reaper stays until rlexp is gone, however rlexp ends (it stops the reaper with SIGKILL).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     sys.stdin.buffer.read()  # returns when rlexp closes the pipe: it exited or died
     kill([(int(pid), float(created)) for pid, created in (arg.split(":") for arg in args)])
     orphans.reap(TEMP_PREFIX)  # the dead engine's sockets and shared memory

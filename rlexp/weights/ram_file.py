@@ -20,15 +20,15 @@ class RamFileTransport:
     engine_backend = None
 
     def __init__(self, directory: str | None = None, cluster: ClusterShape | None = None):
-        """`directory`: where the file goes (None: a fresh one under /dev/shm, which only this
-        node's engines can read)."""
+        """`directory`: where the file goes (None: a fresh one in RAM, under /dev/shm or
+        `$RLEXP_TEMP_DIR` (rlexp/orphans.py), which only this node's engines can read)."""
         self._lock: int | None = None
         if directory is None:
             if cluster is not None and cluster.multi_node:
                 raise ConfigError("weight_transfer=ram_file writes the weights into this node's RAM; "
                                   "rollout replicas run on other nodes: use weight_transfer=object_store "
                                   "(or auto), or give weight_transfer.directory on a shared file system")
-            shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            shm = orphans.ram_root()
             orphans.reap(self.PREFIX, shm)  # weight files of killed runs (RAM, not disk)
             self.directory, self._lock = orphans.owned_tempdir(self.PREFIX, shm)
         else:
