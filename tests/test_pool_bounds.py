@@ -2,12 +2,15 @@
 cluster): a generation or a weight load past `call_timeout_s` sends the replica to a
 restart and its requests to the others; a replica not back within `restart_timeout_s` is
 given up in one log line naming it and its node, the pool serving on with the others; with
-none left the run stops (EngineDead) naming each lost replica and its node. A trainer rank
-that does not finish a call in time stops the run (TrainerDead), naming it and its node
-(a real local Ray)."""
+none left the run stops (EngineDead) naming each lost replica and its node. On a real local
+Ray: a trainer rank that does not finish a call in time stops the run (TrainerDead), naming it
+and its node, and so does a rank's error when a peer died, even if the error arrives first."""
 
 import asyncio
 import logging
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -98,17 +101,75 @@ class _SlowRank:
         time.sleep(60)
 
 
-@pytest.mark.ray
-def test_a_trainer_rank_past_the_call_timeout_stops_the_run():
+@pytest.fixture(scope="module")
+def local_ray():
     import ray
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level=logging.WARNING)
-    try:
-        rank = ray.remote(num_cpus=0)(_SlowRank).remote()
-        group = TrainerGroup([rank], [0], ["node-a"], call_timeout_s=1.0)
-        with pytest.raises(TrainerDead, match=r"trainer rank\(s\) \[0\] \(node\(s\) \['node-a'\]\) did not "
-                                              r"finish fit within 1s \(cluster.call_timeout_s\)"):
-            group.fit([], 1)
-        group.shutdown()
-    finally:
-        ray.shutdown()
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_trainer_rank_past_the_call_timeout_stops_the_run(local_ray):
+    rank = local_ray.remote(num_cpus=0)(_SlowRank).remote()
+    group = TrainerGroup([rank], [0], ["node-a"], call_timeout_s=1.0)
+    with pytest.raises(TrainerDead, match=r"trainer rank\(s\) \[0\] \(node\(s\) \['node-a'\]\) did not "
+                                          r"finish fit within 1s \(cluster.call_timeout_s\)"):
+        group.fit([], 1)
+    group.shutdown()
+
+
+class _Rank:
+    """A trainer rank: `fit` returns, raises `error`, or blocks for good (`error="block"`, as in
+    a collective whose peer never comes); `alive` (the driver's liveness probe) first SIGKILLs
+    the process `kill_on_probe`, if given, so that a death reaches the driver after a peer's error."""
+
+    def __init__(self, error=None, kill_on_probe=None):
+        self.error, self.kill_on_probe = error, kill_on_probe
+
+    def pid(self):
+        return os.getpid()
+
+    def fit(self, batch, version):
+        if self.error == "block":
+            threading.Event().wait()
+        if self.error is not None:
+            raise self.error
+        return {}
+
+    def alive(self):
+        if self.kill_on_probe is not None:
+            os.kill(self.kill_on_probe, signal.SIGKILL)
+        return True
+
+
+@pytest.mark.ray
+def test_a_rank_error_that_reaches_the_driver_before_its_peers_death_is_a_trainer_death(local_ray):
+    """Rank 1's collective fails (its peer is gone) and its error reaches the driver first; rank
+    0's death is noticed only later (here: killed when the driver probes rank 1). The run stops
+    with TrainerDead naming the dead rank and its node, rank 1's error kept as the context."""
+    dead = local_ray.remote(num_cpus=0, max_restarts=0)(_Rank).remote("block")
+    pid = local_ray.get(dead.pid.remote())
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:4242: "
+                         "Connection reset by peer")
+    survivor = local_ray.remote(num_cpus=0)(_Rank).remote(reset, pid)
+    group = TrainerGroup([dead, survivor], [pid, 0], ["node-a", "node-b"])
+    stopped_by = (rf"trainer worker 0 \(pid {pid}, node node-a\) died \(ActorDiedError.*; "
+                  r"trainer rank 1's fit failed after it: RuntimeError: \[gloo")
+    with pytest.raises(TrainerDead, match=stopped_by) as stopped:
+        group.fit([], 1)
+    assert isinstance(stopped.value.__context__, RuntimeError)
+    assert "Connection reset by peer" in str(stopped.value.__context__)
+    group.shutdown()
+
+
+@pytest.mark.ray
+def test_a_rank_error_with_every_rank_alive_surfaces_as_it_is(local_ray):
+    """A programming error in one rank's fit, the other rank alive: the error itself, not TrainerDead."""
+    ranks = [local_ray.remote(num_cpus=0)(_Rank).remote(*spec) for spec in [(), (TypeError("bad batch"),)]]
+    group = TrainerGroup(ranks, [0, 0], ["node-a", "node-b"])
+    with pytest.raises(TypeError, match="bad batch") as raised:
+        group.fit([], 1)
+    assert not isinstance(raised.value, TrainerDead)
+    group.shutdown()

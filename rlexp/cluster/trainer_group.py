@@ -11,6 +11,8 @@ Protocol, so the loop drives it like the one-process trainer.
   workers can load.
 - faults: a rank that dies ends the group (the others would wait in a collective forever).
   The run stops with TrainerDead and the resume hint; resuming may use another worker count.
+  A rank whose call fails while a peer is dead (its collective lost the peer) stops it the
+  same way, whichever of the two errors reaches the driver first.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from rlexp.sample import Sample
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 256 << 20
+DEATH_GRACE_S = 30.0  # Ray reports a killed rank's death within seconds, even on a busy host
+
+
+def _summary(error: BaseException) -> str:
+    """`Type: first line` of an error; a rank's own error for Ray's RayTaskError."""
+    cause = getattr(error, "cause", None)
+    error = cause if isinstance(cause, BaseException) else error
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 class TrainerWorker:
@@ -89,21 +100,27 @@ class TrainerWorker:
     def fits_done(self) -> int:
         return self.trainer.fits_done
 
+    def alive(self) -> bool:
+        """The driver's probe: answers while this rank's process lives."""
+        return True
+
 
 class TrainerGroup:
     """The driver's handle on the ranks (`actors`, rank order), built by RayCluster.trainer."""
 
     def __init__(self, actors: list[Any], pids: list[int], nodes: list[str] | None = None,
-                 call_timeout_s: float = 600.0):
+                 call_timeout_s: float = 600.0, death_grace_s: float = DEATH_GRACE_S):
         """`nodes`: each rank's node id; `call_timeout_s`: the longest one call (a fit, a
-        weight bucket, a checkpoint) may take on every rank."""
+        weight bucket, a checkpoint) may take on every rank; `death_grace_s`: how long a rank's
+        error waits for news of a peer's death (`_raise_if_a_peer_died`)."""
         self.actors, self.pids, self.call_timeout_s = actors, pids, call_timeout_s
         self.nodes = nodes if nodes is not None else ["unknown"] * len(actors)
+        self.death_grace_s = death_grace_s
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         """Call `method` on every rank and wait for all, at most call_timeout_s; a dead rank
         (or its node lost) raises TrainerDead at once (the others would block in a
-        collective waiting for it)."""
+        collective waiting for it), and so does a rank's error when a peer died."""
         import ray
 
         refs = [getattr(a, method).remote(*args) for a in self.actors]
@@ -115,13 +132,50 @@ class TrainerGroup:
                 late = [refs.index(r) for r in pending]
                 raise TrainerDead(f"trainer rank(s) {late} (node(s) {[self.nodes[r] for r in late]}) did not "
                                   f"finish {method} within {self.call_timeout_s:g}s (cluster.call_timeout_s)")
+            rank = refs.index(done[0])
             try:
-                results[done[0]] = ray.get(done[0])
+                results[rank] = ray.get(done[0])
             except ray.exceptions.RayActorError as e:
-                rank = refs.index(done[0])
-                raise TrainerDead(f"trainer worker {rank} (pid {self.pids[rank]}, node {self.nodes[rank]}) "
-                                  f"died ({type(e).__name__}; Ray's log above says more)") from e
-        return [results[r] for r in refs]
+                raise TrainerDead(self._died(rank, e)) from e
+            except Exception as e:
+                self._raise_if_a_peer_died(refs, pending, f"trainer rank {rank}'s {method} failed after it: "
+                                                          f"{_summary(e)}")
+                raise
+        return [results[r] for r in range(len(refs))]
+
+    def _died(self, rank: int, error: BaseException) -> str:
+        return (f"trainer worker {rank} (pid {self.pids[rank]}, node {self.nodes[rank]}) died "
+                f"({type(error).__name__}; Ray's log above says more)")
+
+    def _raise_if_a_peer_died(self, refs: list[Any], pending: list[Any], failure: str) -> None:
+        """A rank's call raised. If a peer died, that is why (a collective lost the peer), and the
+        error may reach the driver before Ray reports the death. So each rank is checked, for at
+        most death_grace_s: a call still running is awaited, any other rank asked `alive`. A dead
+        rank raises TrainerDead naming each dead rank and node, then `failure`; the rank's error
+        stays as its context. With every rank alive (or busy past the grace) this returns."""
+        import ray
+
+        probes = [ref if ref in pending else self.actors[r].alive.remote() for r, ref in enumerate(refs)]
+        waiting, deaths = list(probes), list[tuple[int, BaseException]]()
+        deadline = time.monotonic() + self.death_grace_s
+        while waiting and not deaths:
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not done:
+                break
+            if waiting:  # and the deaths known by now
+                known, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+                done += known
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    deaths.append((probes.index(ref), e))
+                except Exception:
+                    pass  # this rank's call failed too: it is alive
+        if deaths:
+            deaths.sort(key=lambda d: d[0])
+            dead = "; ".join(self._died(r, e) for r, e in deaths)
+            raise TrainerDead(f"{dead}; {failure}") from deaths[0][1]
 
     def fit(self, batch: list[Sample], version: int) -> dict[str, float]:
         import ray
