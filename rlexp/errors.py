@@ -12,8 +12,10 @@ The run cannot usefully go on (it stops with the reason and the resume command):
     ProgrammingError an agent or judge raised a programming error (TypeError, NameError, ...)
     EngineDead       the rollout engine's process died
     TrainerDead      a trainer worker's process died (cluster=ray, trainer.workers > 1)
-    SyncMismatch     the engine's logprobs differ from the trainer's past the bound: a weight
-                     sync did not land (rlexp/trainer/sync_check.py)
+    SyncMismatch     the engine's logprobs differ from the trainer's past the bound, or its
+                     tokens are older than the scheduler allows: a weight sync did not land
+                     (rlexp/trainer/sync_check.py)
+    SyncUnchecked    a step's sync check compared none of the tokens it had to
     SyncHung         a weight sync did not finish within `sync_timeout_s`
 """
 
@@ -83,7 +85,13 @@ class TrainerDead(RunStopped):
 
 class SyncMismatch(RunStopped):
     """Tokens generated at the trainer's current policy version have logprobs the trainer's
-    weights do not give: the engine does not serve the weights the trainer pushed."""
+    weights do not give, or the batch's tokens come from an older version than the scheduler
+    allows: the engine does not serve the weights the trainer pushed."""
+
+
+class SyncUnchecked(RunStopped):
+    """A step's batch held tokens the sync check had to compare (generated at the trainer's
+    version, none of them allowed to be stale) and the trainer's check compared none."""
 
 
 class SyncHung(RunStopped):

@@ -55,6 +55,7 @@ from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tr
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.trainer.controller import fit_call_by_call
+from rlexp.trainer.sync_check import check_compared, check_versions
 from rlexp.weights.protocols import NamedTensors, WeightTransport
 
 log = logging.getLogger("rlexp")
@@ -103,14 +104,18 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
     Under the async scheduler, rollout goes on in the background during fit. `fit`: the
     update (default `trainer.fit`; loop=low_level: `fit_call_by_call` from the loop); it
-    checks the last sync on its first forward (SyncMismatch). A sync longer than
+    checks the last sync on its first forward (SyncMismatch). The batch's own token versions
+    are checked against `version` before it (SyncMismatch: the sync never reached the engine),
+    and that the check compared tokens after it (SyncUnchecked). A sync longer than
     `sync_timeout_s` raises SyncHung."""
     t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
     batch = await scheduler.produce_batch(data, agent, version)
+    to_compare = check_versions(batch, version, scheduler.max_staleness)
     t1 = time.time()
     await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
     train_metrics = await asyncio.to_thread(fit or trainer.fit, batch, version)
     await engine.wake_up()
+    check_compared(train_metrics, version, to_compare)
     t2 = time.time()
     publish = partial(sync_within, transport, trainer.weights(), engine, version + 1, sync_timeout_s)
     await scheduler.sync_weights(engine, publish, version + 1)

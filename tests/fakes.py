@@ -155,6 +155,16 @@ class StopsSending(RamFileTransport):
         await engine.load_weights(self.directory, version)
 
 
+class NeverReaches(RamFileTransport):
+    """ram_file whose transfer creates the engine's reload and drops it unawaited (Python's
+    "coroutine was never awaited" warning is all that shows): it returns at once, the engine
+    keeps its weights and its version."""
+
+    async def transfer(self, weights, engine, version: int) -> None:
+        self.file.write((name, t.to("cpu", copy=False)) for name, t in weights)
+        engine.load_weights(self.directory, version)  # the planted fault: never awaited
+
+
 class HangsInReload(RamFileTransport):
     """ram_file whose engine reload never finishes: the engine's workers open a FIFO as the
     weights file and wait for a writer that never comes (a hung transfer, inside the engine)."""

@@ -1,18 +1,28 @@
 """The in-run sync check (rlexp/trainer/sync_check.py) on hand-made figures and on the tiny
-model's trainer: what it measures, when it stops, and that it stops before the optimizer step.
+model's trainer: what it measures, when it stops, and that it stops before the optimizer step;
+the batch's own token versions against the trainer's, in the loop's step (rl_step) with a timed
+fake engine whose pushes reach it or not.
 The planted faults against a real engine are in the engine modules (test_engines.py,
 test_lora_engine.py, test_moe.py); a whole run that stops: test_run_stops.py."""
 
+import asyncio
 from functools import partial
 
 import pytest
 import torch
 
 from rlexp.algorithms.kl import kl_estimate
-from rlexp.errors import SyncMismatch
+from rlexp.data.manager import DataManager
+from rlexp.data.sources import ArithmeticSource
+from rlexp.errors import SyncMismatch, SyncUnchecked
+from rlexp.loop import rl_step
 from rlexp.sample import Sample, Status, TokenTrace
+from rlexp.schedulers.async_scheduler import AsyncScheduler
+from rlexp.schedulers.sync import SyncScheduler
 from rlexp.trainer.controller import TrainController
-from rlexp.trainer.sync_check import AUTO_BOUNDS, SyncCheck, resolve_bound
+from rlexp.trainer.sync_check import AUTO_BOUNDS, SyncCheck, check_compared, check_versions, resolve_bound
+from tests.fakes import TimedEngine, VersionOnlyTransport
+from tests.test_schedulers import CountingAgent
 
 
 def test_the_figures_count_only_trained_tokens_generated_at_the_current_version():
@@ -163,3 +173,115 @@ def test_replies_sampled_under_a_grammar_are_not_compared(tiny_model_path, token
     metrics = trainer.fit(batch, 0)
     assert metrics["sync/tokens"] == sum(s.response_length for s in batch[2:])
     assert metrics["sync/logprob_diff_max"] < 1e-5
+
+
+def _generated(versions_per_sample, status=Status.COMPLETED, turns=None):
+    """Samples of a 2-token prompt and one reply token per entry of `versions`."""
+    out = []
+    for i, versions in enumerate(versions_per_sample):
+        trace = TokenTrace([1, 2] + [7] * len(versions), [0, 0] + [1] * len(versions),
+                           [0.0] * (2 + len(versions)), [-1, -1] + list(versions))
+        if turns is not None:
+            trace.turns = turns(len(versions))
+        out.append(Sample(group_id=i, prompt=[], answer="", trace=trace, status=status))
+    return out
+
+
+def test_trained_tokens_older_than_the_scheduler_allows_stop_the_step_naming_the_versions():
+    """The sync scheduler allows no stale token, the async one η: the engine still serving
+    version 0 at version 2 is refused by both, with the versions and the likely cause."""
+    stale = _generated([[2, 2], [0, 0, 0]])
+    with pytest.raises(SyncMismatch, match=r"policy version 2 was trained on tokens the engine generated at "
+                                           r"version 0 \(3 of the batch's 5 trained tokens .* scheduler's 1 "
+                                           r"versions old, staleness up to 2\).*did not reach the engine"):
+        check_versions(stale, 2, max_staleness=1)
+    assert check_versions(_generated([[1, 2], [2]]), 2, max_staleness=1) == 0  # within η: nothing to count
+    with pytest.raises(SyncMismatch, match="generated at version 1"):
+        check_versions(_generated([[1, 2], [2]]), 2, max_staleness=0)
+    assert check_versions(_generated([[0, 0]], status=Status.FAILED), 2, max_staleness=0) == 0  # not trained
+
+
+def test_where_no_token_may_be_stale_the_check_must_compare_some():
+    """Bound 0: the tokens the check must compare are the trained ones the model sampled
+    unreshaped; a fit that reports none compared stops the run. A reply under a grammar has
+    nothing to compare, and a trainer without the check (no sync/tokens) is not asked."""
+    batch = _generated([[3, 3], [3]])
+    assert check_versions(batch, 3, max_staleness=0) == 3
+    with pytest.raises(SyncUnchecked, match=r"policy version 3 was not checked: the batch held 3 tokens "
+                                            r"generated at version 3 .* compared none"):
+        check_compared({"sync/tokens": 0.0}, 3, 3)
+    check_compared({"sync/tokens": 3.0}, 3, 3)
+    check_compared({}, 3, 3)
+    guided = _generated([[3, 3]], turns=lambda n: [
+        {"role": "user", "span": [0, 2], "mask": 0},
+        {"role": "assistant", "span": [2, 2 + n], "mask": 1, "sampling": {"constraint": {"kind": "regex"}}}])
+    assert check_versions(guided, 3, max_staleness=0) == 0
+    check_compared({"sync/tokens": 0.0}, 3, 0)
+
+
+class _NeverLoads:
+    """A transport whose push never reaches the engine: its version stays where it was."""
+
+    async def transfer(self, weights, engine, version):
+        assert not list(weights)
+
+    def close(self):
+        pass
+
+
+class _Reports:
+    """A trainer with no weights whose fit reports `sync/tokens` as given."""
+
+    def __init__(self, compared):
+        self.compared, self.versions = compared, []
+
+    def fit(self, batch, version):
+        self.versions.append(version)
+        return {"sync/tokens": float(self.compared)}
+
+    def weights(self):
+        return iter(())
+
+
+FAILSAFE_S = 120.0  # a scheduler that expires every group without end never returns a batch
+
+
+def _steps(scheduler, trainer, transport, steps=3):
+    """`steps` loop steps of the scheduled engine's tokens (TimedEngine), the versions 0, 1, ..."""
+    engine = TimedEngine(token_s=0.0001, max_tokens=4, mean_len=2.0)
+    data = DataManager(ArithmeticSource(max_operand=9, ops="+", eval_size=4, seed=0), prompts_per_step=2,
+                       samples_per_prompt=2, seed=0)
+
+    async def run():
+        try:
+            for version in range(steps):
+                await rl_step(scheduler, data, CountingAgent(engine), engine, trainer, transport, version)
+        finally:
+            await scheduler.aclose()
+
+    asyncio.run(asyncio.wait_for(run(), FAILSAFE_S))
+
+
+@pytest.mark.parametrize("scheduler, trained", [(SyncScheduler, [0]),
+                                                (partial(AsyncScheduler, staleness_threshold=0), [0]),
+                                                (partial(AsyncScheduler, staleness_threshold=1), [0, 1])])
+def test_the_loop_step_refuses_the_tokens_of_an_engine_the_sync_never_reached(scheduler, trained):
+    """Step 1 trains version 0 on version 0's tokens; the push of version 1 never reaches the
+    engine. The sync scheduler's step 2 stops before its fit (the batch's tokens are 1 version
+    stale); the async scheduler stops as a group launched after the push comes back with
+    version 0's tokens (at step 2 with η = 0; with η = 1 step 2 trains the groups launched at
+    version 0, allowed, and step 3 stops), where its bound would expire them without end."""
+    trainer = _Reports(compared=4)
+    with pytest.raises(SyncMismatch, match=r"version 1\b.* tokens the engine generated at version 0"):
+        _steps(scheduler(), trainer, _NeverLoads(), steps=4)
+    assert trainer.versions == trained
+    healthy = _Reports(compared=4)
+    _steps(scheduler(), healthy, VersionOnlyTransport(), steps=4)
+    assert healthy.versions == [0, 1, 2, 3]
+
+
+def test_the_loop_step_refuses_a_fit_whose_check_compared_none():
+    trainer = _Reports(compared=0)
+    with pytest.raises(SyncUnchecked, match="policy version 0 was not checked"):
+        _steps(SyncScheduler(), trainer, VersionOnlyTransport())
+    assert trainer.versions == [0]

@@ -49,6 +49,25 @@ def test_a_sync_that_stops_landing_stops_the_run_and_its_checkpoint_resumes(tmp_
 
 
 @pytest.mark.slow
+def test_a_transport_that_never_reaches_the_engine_stops_the_run(tmp_path, run_models, new_store):
+    """The transport drops the engine's reload unawaited and returns: the engine keeps serving
+    version 0, and its tokens say so. Step 2 trains version 1 on them under the sync scheduler
+    (staleness must be 0): the run stops before that fit, naming the versions and the cause."""
+    store = new_store(tmp_path)
+    run_dir, log = tmp_path / "out", tmp_path / "run.log"
+    _finish(_cmd(store, run_dir, run_models, "trainer.total_steps=3", "checkpoint.every_n_steps=0",
+                 "rollout=hf", "weight_transfer._target_=tests.fakes.NeverReaches"), log, expect=3)
+    out = log.read_text()
+    assert ("rlexp: run stopped: step 2: policy version 1 was trained on tokens the engine generated at "
+            "version 0") in out
+    assert "the weight transport did not reach the engine" in out
+    c, run = _run(store)
+    assert run.info.status == "FAILED" and _steps(c, run, "train/loss") == [1]
+    assert "version 0" in run.data.tags["rlexp.error"]
+    assert _history(c, run, "rollout/staleness_mean") == [0.0] and min(_history(c, run, "sync/tokens")) > 0
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_a_hung_sync_stops_the_run_and_leaves_nothing_running(tmp_path, run_models, new_store):
     """The engine's reload blocks (its workers open a FIFO as the weights file): past

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 from rlexp.constraints import AtLeast0
 from rlexp.data.manager import DataManager
+from rlexp.errors import SyncMismatch
 from rlexp.protocols import Agent, RolloutEngine
 from rlexp.sample import Sample, Status, staleness
 from rlexp.schedulers.ledger import GroupLedger
 from rlexp.schedulers.sync import rollout_group
+from rlexp.trainer.sync_check import NOT_REACHED
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,17 @@ class GroupRollout:
 def _task(r: GroupRollout) -> asyncio.Task:
     assert r.task is not None, "every group in self._running was launched"
     return r.task
+
+
+def _check_generated_since_launch(r: GroupRollout) -> None:
+    """A group's tokens come from the versions the engine served since its launch: one older
+    than `start_version` means a push the loop made never reached the engine. Otherwise the
+    staleness bound would expire such groups as they finish, and launch more, without end."""
+    oldest = min((s.oldest_version for s in r.samples if s.response_length), default=r.start_version)
+    if oldest < r.start_version:
+        raise SyncMismatch(f"a prompt group launched while the engine was to serve policy version "
+                           f"{r.start_version} came back with tokens the engine generated at version "
+                           f"{oldest}. Likely cause: {NOT_REACHED}")
 
 
 def fresh_copies(group: list[Sample]) -> list[Sample]:
@@ -102,6 +115,11 @@ class AsyncScheduler:
         self._producer: asyncio.Task | None = None
         self._wake_producer = asyncio.Event()
         self._wake_consumer = asyncio.Event()
+
+    @property
+    def max_staleness(self) -> int:
+        """η: a batch never holds a token older than that."""
+        return self.staleness_threshold
 
     # ---- consumer side (the training loop) ---------------------------------------------
     async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
@@ -215,6 +233,7 @@ class AsyncScheduler:
                 self.ledger.reject(r.fresh, r.cancelled, r.meter[0])
                 continue
             r.samples = _task(r).result()
+            _check_generated_since_launch(r)
             if self.ledger.keeps(r.samples, r.meter[0]):
                 self._accepted.append(r)
         for r in [r for r in self._accepted if any(s.staleness(self._version) > eta for s in r.samples)]:

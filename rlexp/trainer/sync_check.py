@@ -21,7 +21,14 @@ only the first minibatch's tokens are checked. Exact over ranks (the differences
 
 Tokens whose request reshaped the distribution (guided decoding, penalties, a logit bias:
 `rlexp.sample.reshapes`) are left out: the engine's logprob is of the reshaped distribution,
-which the trainer does not compute (a token a grammar forced has logprob 0 in the engine)."""
+which the trainer does not compute (a token a grammar forced has logprob 0 in the engine).
+
+The comparison trusts the versions the tokens carry, which the engine gives them: a transport
+that returns without reaching the engine (its reload never awaited) leaves the engine serving,
+and tagging its tokens with, an older version, whose tokens the comparison leaves out as stale.
+So the loop's step also checks the batch's own versions against the trainer's (`check_versions`,
+before the fit: no trained token staler than the scheduler allows, `Scheduler.max_staleness`)
+and, where no token may be stale, that the check compared some (`check_compared`, after it)."""
 
 from __future__ import annotations
 
@@ -29,8 +36,9 @@ from typing import Literal
 
 import torch
 
-from rlexp.errors import SyncMismatch
+from rlexp.errors import SyncMismatch, SyncUnchecked
 from rlexp.models.local import resolve_dtype
+from rlexp.sample import Sample, Status, staleness
 from rlexp.trainer import distributed
 
 # The p99 bound per dtype when `bound: auto`: the looser of the trainer's compute dtype and
@@ -41,6 +49,9 @@ CAUSES = ("a tensor left out of the push (a tied lm_head), LoRA adapters not mer
           "weights, an engine cache not reset after the reload (prefix, image encoder), a reload that "
           "skipped a kernel's repack (MoE experts on CPU), weights pushed in another dtype, or a "
           "transport that returned without sending")
+NOT_REACHED = ("the weight transport did not reach the engine: its transfer returned before the engine "
+               "loaded the weights (a coroutine never awaited, a reload left to run in the background), "
+               "so the engine kept its weights and announced no new version")
 
 
 Bound = float | Literal["auto", "off", False]  # YAML reads a bare `off` as false: the same
@@ -99,6 +110,38 @@ class SyncCheck:
                 f"Likely causes: {CAUSES}. Stopped before the optimizer step. Certify the setup with "
                 "`python -m rlexp.check <this run's overrides>`; trainer.sync_check.bound sets the bound "
                 "(off: log only)")
+
+
+def check_versions(batch: list[Sample], version: int, max_staleness: int) -> int:
+    """Before the fit of policy `version`: SyncMismatch if a trained token (a completed
+    sample's, in its loss mask) was generated more than `max_staleness` versions before it.
+    Returns how many trained tokens the sync check must compare when none may be stale
+    (`max_staleness` 0: every one the model sampled unreshaped), else 0."""
+    trained = [s for s in batch if s.status == Status.COMPLETED]
+    versions = [v for s in trained for v, m in zip(s.versions, s.loss_mask) if m]
+    stale = [v for v in versions if staleness(version, v) > max_staleness]
+    if stale:
+        raise SyncMismatch(f"policy version {version} was trained on tokens the engine generated at version "
+                           f"{min(stale)} ({len(stale)} of the batch's {len(versions)} trained tokens are "
+                           f"more than the scheduler's {max_staleness} versions old, staleness up to "
+                           f"{staleness(version, min(stale))}). Likely cause: {NOT_REACHED}. Stopped "
+                           "before the fit")
+    if max_staleness:
+        return 0
+    return sum(m * k for s in trained for m, k in zip(s.loss_mask, s.trace.model_sampled()))
+
+
+def check_compared(figures: dict[str, float], version: int, expected: int) -> None:
+    """After the fit of policy `version`: SyncUnchecked if its batch held `expected` > 0 tokens
+    to compare (`check_versions`) and the trainer's check, which reports `sync/tokens`,
+    compared none. A trainer without the check (no `sync/tokens`) is not asked."""
+    if expected and figures.get("sync/tokens", -1.0) == 0.0:
+        raise SyncUnchecked(f"the weight sync to policy version {version} was not checked: the batch held "
+                            f"{expected} tokens generated at version {version} to compare and the trainer's "
+                            f"sync check compared none (sync/tokens 0). The update of version {version} "
+                            "ran; nothing after the last checkpoint is saved. Likely causes: a trainer whose "
+                            "check is not given the batch's trained tokens, or an engine that tags its "
+                            "tokens with the version it was told, not the one it loaded")
 
 
 def _figures(d: torch.Tensor) -> tuple[int, list[float]]:
