@@ -17,6 +17,8 @@ The run cannot usefully go on (it stops with the reason and the resume command):
                      (rlexp/trainer/sync_check.py)
     SyncUnchecked    a step's sync check compared none of the tokens it had to
     SyncHung         a weight sync did not finish within `sync_timeout_s`
+    Interrupted      SIGTERM or SIGINT stopped the run (rlexp/signals.py); exit code 128 + the
+                     signal's number
 """
 
 from __future__ import annotations
@@ -96,3 +98,14 @@ class SyncUnchecked(RunStopped):
 
 class SyncHung(RunStopped):
     """A weight sync (the transfer and the engine's reload) did not finish in time."""
+
+
+class Interrupted(RunStopped):
+    """SIGTERM (`kill`, `scancel`, SLURM's time limit) or SIGINT (Ctrl-C) stopped the run:
+    rlexp/signals.py. The process exits with `exit_code`, 128 + the signal's number, as a
+    shell reports a process the signal ended (143, 130)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

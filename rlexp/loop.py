@@ -54,6 +54,7 @@ from rlexp.progress import Progress, SweepPosition
 from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.signals import StopOnSignals
 from rlexp.trainer.controller import fit_call_by_call
 from rlexp.trainer.sync_check import check_compared, check_versions
 from rlexp.weights.protocols import NamedTensors, WeightTransport
@@ -159,11 +160,13 @@ class RLLoop:
     async def execute(self, tags: dict[str, str] | None = None, resume_from: Path | None = None,
                       inputs: Inputs | None = None) -> dict[str, float]:
         """setup -> (restore) -> train -> cleanup. A run that raised is marked FAILED in
-        MLflow, its metrics kept. `resume_from`: the checkpoint to continue from."""
+        MLflow, its metrics kept; one that SIGTERM or SIGINT stopped, KILLED (Interrupted).
+        `resume_from`: the checkpoint to continue from."""
         resumed = RunState.read(resume_from) if resume_from is not None else None
         self.setup_inputs(resumed, inputs)
         self.start_tracking(tags or {}, resumed)
         status, error = "FAILED", None
+        signals = StopOnSignals.install()  # SIGTERM, SIGINT: the run stops, KILLED (rlexp/signals.py)
         try:
             await self.setup_components()
             if resumed is not None:
@@ -175,13 +178,24 @@ class RLLoop:
             return final
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
+            if (stop := signals.stop(self.resume_hint())) is not None:
+                status, error = "KILLED", f"{type(stop).__name__}: {stop}"
+                raise stop from e
             if isinstance(e, (EngineDead, TrainerDead, ProgrammingError)):
-                found = checkpoint.checkpoints(self.run_dir)
-                last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was saved"
-                raise type(e)(f"{e}; {last}. Resume: python -m rlexp.run resume={self.run_dir}") from e
+                raise type(e)(f"{e}; {self.resume_hint()}") from e
             raise
         finally:
-            await self.cleanup(status, error)
+            signals.stopping = True
+            try:
+                await self.cleanup(status, error)
+            finally:
+                signals.restore()
+
+    def resume_hint(self) -> str:
+        """The last checkpoint and the command that resumes from it."""
+        found = checkpoint.checkpoints(self.run_dir)
+        last = f"last checkpoint: step {found[-1][0]}" if found else "no checkpoint was saved"
+        return f"{last}. Resume: python -m rlexp.run resume={self.run_dir}"
 
     # ---- setup ------------------------------------------------------------------------
     def setup_inputs(self, resumed: RunState | None, inputs: Inputs | None = None) -> None:

@@ -5,7 +5,8 @@
 
 Exit codes: 0 done, 2 bad config or input (nothing started), 3 the run stopped (too many
 failed samples, the engine died, or an agent or judge raised a programming error, printed
-with its traceback; the message says how to resume)."""
+with its traceback; the message says how to resume), 143 / 130 SIGTERM / SIGINT stopped it
+(128 + the signal's number; the MLflow run is KILLED; rlexp/signals.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from omegaconf import DictConfig
 
 from rlexp.config import ALGORITHM_GROUPS, resume_config, validate
 from rlexp.console import quiet_third_party
-from rlexp.errors import ConfigError, ProgrammingError, RunStopped
+from rlexp.errors import ConfigError, Interrupted, ProgrammingError, RunStopped
 from rlexp.preflight import preflight
 from rlexp.progress import SweepPosition
 from rlexp.tracking.sweep import SWEEP_TAG, job_run_name, log_failed_job, read_sweep
@@ -81,6 +82,8 @@ def main(cfg: DictConfig) -> float | None:
         print(f"rlexp: run stopped: {e}", file=sys.stderr)
         if not multirun:
             sys.exit(3)
+        if isinstance(e, Interrupted):  # meant for the whole process: a sweep stops too
+            sys.exit(e.exit_code)
         return None
     except Exception:
         if not multirun:
