@@ -13,7 +13,9 @@ RolloutEngine Protocol, so schedulers, agents and the chat server use it unchang
   the model path, on another node if its own is gone); the pool then loads the current
   weights and version into it before routing to it again. A replica not back within
   `restart_timeout_s` (no node has room for it) is lost for good: one log line names it and
-  its node, and the pool goes on with the others. With no replica left the run stops
+  its node, and the pool goes on with the others. Where, at the loss, its node is gone and no
+  live node has room for its bundle (`room`: Ray's available resources), the loss line says
+  so: it comes back only if a node with room joins in time. With no replica left the run stops
   (EngineDead: resume hint).
 """
 
@@ -62,12 +64,14 @@ class RolloutPool:
     """`actors`: EngineReplica handles (already placed); `nodes`: the node id of each.
     `sampling` / `max_model_len`: the engines' settings (the same for all).
     `call_timeout_s`: the longest any one call on a replica may take (a generation, a weight
-    load); `restart_timeout_s`: how long a lost replica may take to come back."""
+    load); `restart_timeout_s`: how long a lost replica may take to come back. `room(node)`:
+    why a replica lost with `node` cannot come back now (replica.no_room), or None."""
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
-                 restart_timeout_s: float = 300.0):
+                 restart_timeout_s: float = 300.0, room: Callable[[str], str | None] | None = None):
         self.actors = actors
+        self._room = room
         self.nodes = list(nodes) if nodes is not None else ["unknown"] * len(actors)
         self.call_timeout_s, self.restart_timeout_s = call_timeout_s, restart_timeout_s
         self._gone: dict[int, str] = {}  # replica -> why it was lost for good
@@ -164,9 +168,12 @@ class RolloutPool:
         if not self._healthy[i]:
             return
         self._healthy[i] = False
-        log.warning("rollout replica %d lost during %s (node %s): %s; %d replica(s) serving, it "
-                    "comes back within %gs (cluster.restart_timeout_s) or is given up", i, during,
-                    self.nodes[i], _first_line(error), sum(self._healthy), self.restart_timeout_s)
+        why = self._room(self.nodes[i]) if self._room is not None else None
+        back = (f"{why}: it comes back only if a node with room joins within {self.restart_timeout_s:g}s"
+                if why else f"it comes back within {self.restart_timeout_s:g}s")
+        log.warning("rollout replica %d lost during %s (node %s): %s; %d replica(s) serving, %s "
+                    "(cluster.restart_timeout_s) or is given up", i, during, self.nodes[i],
+                    _first_line(error), sum(self._healthy), back)
         if isinstance(error, (EngineDead, ReplicaTimeout)):
             import ray
 

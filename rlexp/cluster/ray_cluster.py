@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from rlexp.cluster import engine_spec, ray_connect
 from rlexp.cluster.description import ClusterDescription
 from rlexp.cluster.node_check import check_nodes_read
 from rlexp.cluster.pool import RolloutPool
-from rlexp.cluster.replica import EngineReplica
+from rlexp.cluster.replica import EngineReplica, no_room
 from rlexp.constraints import AtLeast0, AtLeast1, Placement, PlacementStrategy, Positive
 from rlexp.errors import ConfigError, EngineDead, TrainerDead
 from rlexp.rollout import reaper
@@ -196,7 +197,8 @@ class RayCluster:
         sampling = SamplingConfig(**{field: spec[key] for field, key in keys.items() if key in spec})
         self.pool = RolloutPool(actors, sampling, spec["max_model_len"], sleeps=sleeps,
                                 nodes=_short([node for node, _, _ in infos]),
-                                call_timeout_s=self.call_timeout_s, restart_timeout_s=self.restart_timeout_s)
+                                call_timeout_s=self.call_timeout_s, restart_timeout_s=self.restart_timeout_s,
+                                room=partial(no_room, dict(self.bundle)))
         return self.pool
 
     def trainer(self, trainer: DictConfig, model_path: str) -> Any:

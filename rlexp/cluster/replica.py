@@ -60,3 +60,31 @@ class EngineReplica:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self._received.close()
+
+
+def no_room(bundle: dict[str, float], node: str) -> str | None:
+    """Why a replica lost with its node `node` (its id's first 8 hex digits) cannot come back
+    now, as Ray's available resources per live node show them (`room_report`); None where
+    they cannot be read (Ray Client)."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        free = available_resources_per_node()
+    except Exception:  # noqa: BLE001 - the loss line goes out without it
+        return None
+    return room_report(bundle, node, free)
+
+
+def room_report(bundle: dict[str, float], node: str, free: dict[str, dict[str, float]]) -> str | None:
+    """None when node `node` is alive (Ray restarts the replica in its own bundle there) or a
+    live node has `bundle` free (Ray places the bundle again there); else what the bundle needs
+    and what each live node (`free`: node id -> available resources) has of it."""
+    if any(n.startswith(node) for n in free):
+        return None
+    if any(all(r.get(k, 0.0) >= v for k, v in bundle.items()) for r in free.values()):
+        return None
+    need = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+    has = "; ".join(f"node {n[:8]}: " + ", ".join(f"{r.get(k, 0.0):g} {k}" for k in bundle)
+                    for n, r in sorted(free.items()))
+    has = has or "no live node"
+    return f"its node is gone and no live node has room for its bundle ({need}; free: {has})"
