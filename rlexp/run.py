@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rlexp import orphans
 from rlexp.config import ALGORITHM_GROUPS, resume_config, validate
 from rlexp.console import quiet_third_party
 from rlexp.errors import ConfigError, Interrupted, ProgrammingError, RunStopped
@@ -49,6 +50,7 @@ def sweep_job_tags(cfg: DictConfig, info: dict | None) -> dict[str, str]:
 @hydra.main(version_base="1.3", config_path="pkg://rlexp.conf", config_name="config")  # conf/, packaged
 def main(cfg: DictConfig) -> float | None:
     quiet_third_party()
+    orphans.use_temp_root()  # $RLEXP_TEMP_DIR: every temporary file of the run in one place
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     info = read_sweep(hc.sweep.dir) if multirun else None
@@ -80,10 +82,10 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(e, ProgrammingError):
             traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         print(f"rlexp: run stopped: {e}", file=sys.stderr)
-        if not multirun:
-            sys.exit(3)
         if isinstance(e, Interrupted):  # meant for the whole process: a sweep stops too
             sys.exit(e.exit_code)
+        if not multirun:
+            sys.exit(3)
         return None
     except Exception:
         if not multirun:

@@ -14,7 +14,6 @@ import pytest
 from tests.test_resume import _cmd, _finish, _resume_cmd, _run, _start, _steps
 from tests.test_run import _history
 
-pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
 BOUND = 1e-3  # trainer.sync_check.bound=auto in float32
 
 
