@@ -22,6 +22,9 @@ from rlexp.signatures import static_signature
 
 # `${rlexp.abspath:mlflow.db}`: absolute path from the directory the command runs in.
 OmegaConf.register_new_resolver("rlexp.abspath", lambda p: os.path.abspath(p), replace=True)
+# `${rlexp.checkout:examples}`: absolute path from the checkout (holding rlexp/, examples/, make envs' venvs).
+CHECKOUT = Path(__file__).resolve().parents[1]
+OmegaConf.register_new_resolver("rlexp.checkout", lambda p: str(CHECKOUT / p), replace=True)
 
 
 # The config groups that compose the algorithm, each placed under trainer.<group>

@@ -124,6 +124,32 @@ def jsonable_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# Metadata a trace line does not repeat: the judge's exchange and the error have keys of their
+# own, and `messages` is the conversation that the line's turns hold token by token.
+NOT_TRACED = ("judge", "error", "messages")
+
+
+def trace_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What a trace line keeps of a sample's metadata: what names its task (a data source's
+    fields: `task_index`, `task_split`, reasoning-gym's `entry`, ...) and what the agent and the
+    judge recorded (`verifiers`, `metrics`, `predicted`, ...), as JSON types."""
+    return {str(k): jsonable(v) for k, v in metadata.items() if k not in NOT_TRACED}
+
+
+def jsonable(value: Any) -> Any:
+    """`value` as JSON types: mappings and sequences walked, a numpy scalar as its number, any
+    other value not JSON as its repr."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a numpy scalar
+        return jsonable(value.item())
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return repr(value)
+
+
 def stitch_routing(before: Any, after: Any) -> Any:
     """THE rule for a position's routing: the engine's choice when it first computed that
     position. `before` covers positions 0 .. len(before) - 1 (an earlier request: a turn, or
@@ -281,5 +307,6 @@ class Sample:
             "turns": self.turns,
             "judge": self.metadata.get("judge"),  # a model judge's prompt and reply
             "error": self.error,
+            "metadata": trace_metadata(self.metadata),
             "text": decode(self.tokens),
         }

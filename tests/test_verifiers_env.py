@@ -38,13 +38,16 @@ def require_venv() -> None:
                     f"run `make envs` to create .venv-verifiers")
 
 
-def _cfg(*overrides: str):
+def _cfg(*overrides: str, defaults: bool = False):
+    """The config of agent=verifiers data=verifiers; `defaults`: its own env paths and Python,
+    else this checkout's, given."""
     from hydra import compose, initialize_config_dir
 
-    import rlexp.config  # noqa: F401 - registers the rlexp.abspath resolver the configs use
+    import rlexp.config  # noqa: F401 - registers the resolvers the configs use
 
-    base = ["agent=verifiers", "data=verifiers", f"data.source.paths=[{ENVS}]",
-            f"data.source.python={VENV_PYTHON}"]
+    base = ["agent=verifiers", "data=verifiers"]
+    if not defaults:
+        base += [f"data.source.paths=[{ENVS}]", f"data.source.python={VENV_PYTHON}"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=[*base, *overrides])
 
@@ -103,10 +106,14 @@ def _check_traces(samples, tokenizer) -> None:
 
 def _rescored(vllm, agent, s) -> dict:
     """The env's own score of the completion rlexp trains on (its last policy turn, as the
-    server answered it), from the worker's `score`."""
-    last = [t for t in s.turns if t["mask"]][-1]
-    reply = vllm.tokenizer.decode(s.tokens[slice(*last["span"])], skip_special_tokens=True)
-    request = {"index": s.metadata["task_index"], "split": s.metadata["task_split"], "reply": reply}
+    server answered it), from the worker's `score`, read off the sample's trace line alone
+    (what the trace artifact holds): the task by its index and split, the reply by its tokens."""
+    line = json.loads(json.dumps(s.to_trace(vllm.tokenizer.decode)))
+    assert line["metadata"]["verifiers"] == s.metadata["verifiers"]
+    last = [t for t in line["turns"] if t["mask"]][-1]
+    reply = vllm.tokenizer.decode(line["token_ids"][slice(*last["span"])], skip_special_tokens=True)
+    task = line["metadata"]
+    request = {"index": task["task_index"], "split": task["task_split"], "reply": reply}
     return vllm.run(agent.agent.worker.request("score", request))
 
 
@@ -162,7 +169,10 @@ def test_multi_turn_env_with_a_tool(vllm):
             call = json.loads(s.turns[1]["text"].split("<tool_call>")[1].split("</tool_call>")[0])
             assert call["name"] == "calculator"
             info = s.metadata["verifiers"]
-            assert info["num_turns"] == 2 and info["num_tool_calls"] >= 1
+            # the calls the model made: the last turn's call too, whose result never went back
+            calls = sum(t["text"].count("<tool_call>") for t in s.turns if t["role"] == "assistant")
+            assert info["num_turns"] == 2 and info["num_tool_calls"] == calls >= 1
+            assert s.metadata["metrics"]["verifiers/tool_calls_mean"] == calls
             assert info["stop_condition"] == "max_turns"
             assert s.metadata["metrics"]["verifiers/metric/tool_calls_mean"] == info["num_tool_calls"]
             env = _rescored(vllm, agent, s)
@@ -225,6 +235,7 @@ def test_bad_environments_fail_in_one_line():
         "data.source.env_args={agent: {runtime: {type: prime}}}": "needs a sandbox",
         "data.source.env_args={id: best-of-n}": "is not SingleAgentEnv",
         f"data.source.python={ROOT}/.venv-nope/bin/python": "run `make envs`",
+        "data.source.python=.venv-nope/bin/python": "or set data.source.python=/path/to/venv/bin/python",
     }
     for override, expected in cases.items():
         with pytest.raises(InstantiationException) as e:
@@ -233,8 +244,36 @@ def test_bad_environments_fail_in_one_line():
         assert isinstance(error, ConfigError) and expected in str(error) and "\n" not in str(error), override
 
 
+def test_an_env_missing_a_package_names_it(tmp_path):
+    """verifiers reports the env as not found; the package it needs is the cause, in the line."""
+    require_venv()
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    (tmp_path / "needs_pkg_env.py").write_text("import verifiers.v1 as vf\nimport rlexp_no_such_package\n")
+    with pytest.raises(InstantiationException) as e:
+        instantiate(_cfg("data.source.env_id=needs_pkg_env", f"data.source.paths=[{tmp_path}]").data.source)
+    error = str(e.value.__cause__)
+    assert "taskset 'needs_pkg_env' not found" in error and "\n" not in error
+    assert "caused by ModuleNotFoundError: No module named 'rlexp_no_such_package'" in error
+
+
+def test_the_defaults_work_from_another_directory(tmp_path, monkeypatch):
+    """The env venv's Python and the examples' directory are the checkout's, wherever the run starts."""
+    require_venv()
+    from hydra.utils import instantiate
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(f"data.source.env_args={SMALL}", defaults=True)
+    assert cfg.agent.python == cfg.data.source.python == str(VENV_PYTHON)
+    source = instantiate(cfg.data.source)  # vf_arith, from examples/environments
+    assert source.info["env_id"] == "vf_arith"
+    assert len(source.problems("train")) + len(source.problems("eval")) == 890
+
+
 def test_a_broken_env_stops_the_run_in_preflight(tmp_path):
-    """Before any engine starts: one line on stderr, exit status 2."""
+    """Before any engine starts: one line on stderr, exit status 2 (run from another directory:
+    the env venv's Python is found all the same)."""
     require_venv()
     broken = tmp_path / "broken_env.py"
     broken.write_text("import verifiers.v1 as vf\nraise RuntimeError('the env is broken')\n")
@@ -242,7 +281,7 @@ def test_a_broken_env_stops_the_run_in_preflight(tmp_path):
     res = subprocess.run([sys.executable, "-m", "rlexp.run", "agent=verifiers", "data=verifiers",
                           "data.source.env_id=broken_env", f"data.source.paths=[{tmp_path}]",
                           f"hydra.run.dir={tmp_path}/out"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-3000:]
     assert ("rlexp: config error: data.source: verifiers env 'broken_env' cannot be loaded: "
             "RuntimeError: the env is broken") in res.stderr
@@ -260,7 +299,7 @@ def test_whole_run(tmp_path):
            "logger.experiment_name=test", f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
            f"hydra.run.dir={tmp_path}/out", "data.prompts_per_step=2", "data.samples_per_prompt=2",
            "evaluator.prompts=4", "evaluator.every_n_steps=2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,  # not the checkout
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert res.returncode == 0, res.stderr[-4000:]
     client = MlflowClient(tracking_uri=uri)
@@ -269,3 +308,9 @@ def test_whole_run(tmp_path):
     assert [m.step for m in rewards] == [1, 2]
     assert "verifiers/reward/correct_mean" in run.data.metrics and "eval/accuracy" in run.data.metrics
     assert run.data.metrics["samples/failed"] == 0
+    # each trace line names its task (re-scored by index and split, not by its prompt's text)
+    trace_file = client.download_artifacts(run.info.run_id, "traces/step_00001.jsonl", str(tmp_path))
+    lines = [json.loads(line) for line in Path(trace_file).read_text().splitlines()]
+    assert len(lines) == 4 and all(line["metadata"]["task_split"] == "train" for line in lines)
+    assert all(isinstance(line["metadata"]["task_index"], int) and "trace_id" in line["metadata"]["verifiers"]
+               for line in lines)

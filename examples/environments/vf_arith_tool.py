@@ -44,7 +44,8 @@ class ArithToolTask(vf.Task[ArithData]):
 
     @vf.metric
     async def tool_calls(self, trace: vf.Trace) -> float:
-        return float(len(trace.tool_messages))
+        """The calls the model made (a call in the last turn gets no result back)."""
+        return float(sum(len(m.tool_calls or []) for m in trace.assistant_messages))
 
 
 class ArithToolConfig(ArithConfig):

@@ -64,7 +64,7 @@ class VerifiersAgent:
                  startup_timeout_s: float = 300.0, max_restarts: int = 3,
                  host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  on_prefix_break: PrefixBreak = "split", tool_prompt: ToolPrompt = "auto"):
-        check_python(python)
+        check_python(python, "agent.python")
         self.spec = spec(env_id, env_args, eval_args, paths, max_concurrent=max_concurrent,
                          local_scripts=local_scripts, sampling=request_sampling or {})
         self.python, self.api_key = python, api_key

@@ -33,7 +33,15 @@ LINE_LIMIT = 64 << 20  # bytes in one request line
 
 
 def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+    """`Type: message` on one line, then the causes it was raised from (`raise ... from`), each
+    as `; caused by Type: message`: verifiers' "taskset 'x' not found" names the package the
+    env failed to import only in its cause (`No module named 'sympy'`)."""
+    parts: list[str] = []
+    cause: BaseException | None = e
+    while cause is not None and len(parts) < 4:
+        parts.append(f"{type(cause).__name__}: {' '.join(str(cause).split())}")
+        cause = cause.__cause__
+    return "; caused by ".join(parts)
 
 
 def take_stdout() -> TextIO:

@@ -64,8 +64,8 @@ class OpenEnvServer:
     def start(self) -> None:
         """Start the server and wait until `/health` answers; read the Action schema."""
         if not Path(self.python).is_file():
-            raise ConfigError(f"{self.describe()}: OpenEnv's Python {self.python} does not exist: "
-                              f"{MAKE_ENVS}")
+            raise ConfigError(f"{self.describe()}: OpenEnv's Python {self.python} (agent.python) does not "
+                              f"exist: {MAKE_ENVS}, or set agent.python=/path/to/venv/bin/python")
         path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # the env's module
         env = os.environ | {"ENABLE_WEB_INTERFACE": "false", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         # stdin: a pipe the server reads until it closes, i.e. until this process is gone

@@ -18,7 +18,10 @@ from rlexp.envs.process import ChildProcess
 from rlexp.errors import ConfigError
 
 WORKER = Path(__file__).resolve().parent / "verifiers_worker.py"
-DEFAULT_PYTHON = ".venv-verifiers/bin/python"
+# The checkout (the directory that holds the rlexp package): `make envs` makes the venv there,
+# so the default does not depend on the directory a run starts in.
+CHECKOUT = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = str(CHECKOUT / ".venv-verifiers" / "bin" / "python")
 
 
 def plain(value: Any) -> Any:
@@ -30,15 +33,16 @@ def plain(value: Any) -> Any:
     return value
 
 
-def check_python(python: str) -> str:
-    """The venv's Python, as an absolute path; a ConfigError saying how to make it if it is missing."""
+def check_python(python: str, option: str = "data.source.python") -> str:
+    """The venv's Python (`option`'s value; a relative path is from the current directory), as
+    an absolute path; a ConfigError naming `option` and how to set it if it is missing."""
     path = Path(python).expanduser()
     if not path.is_absolute():
         path = Path.cwd() / path
     if not os.access(path, os.X_OK):
-        raise ConfigError(f"{python}: no such Python: verifiers environments run in their own venv "
-                          f"(.venv-verifiers); run `make envs` to create it (or set the python option to "
-                          f"a venv that has verifiers==0.4.0)")
+        raise ConfigError(f"{option}={python}: no such Python: verifiers environments run in their own "
+                          f"venv; run `make envs` in {CHECKOUT} to create {DEFAULT_PYTHON} (the default), "
+                          f"or set {option}=/path/to/venv/bin/python (a venv with verifiers==0.4.0)")
     return str(path)
 
 
@@ -84,6 +88,6 @@ def worker(python: str, worker_spec: dict[str, Any], api_key: str | None = None,
     env = dict(os.environ)
     if api_key:
         env["RLEXP_POLICY_API_KEY"] = api_key
-    argv = [check_python(python), str(WORKER), "--spec", json.dumps(worker_spec)]
+    argv = [check_python(python, "agent.python"), str(WORKER), "--spec", json.dumps(worker_spec)]
     return ChildProcess(f"verifiers env {worker_spec['env_id']!r}", argv, env=env,
                         startup_timeout_s=startup_timeout_s, max_restarts=max_restarts)

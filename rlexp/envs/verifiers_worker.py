@@ -233,6 +233,12 @@ def _error(e) -> str:
     return f"{e.type}: {' '.join(str(e.message).split())[:600]}"
 
 
+def tool_calls(trace) -> int:
+    """The tool calls the model made (its replies' `tool_calls`), whether or not a result went
+    back: a call in an episode's last turn (max_turns) gets none."""
+    return sum(len(m.tool_calls or []) for m in trace.assistant_messages)
+
+
 def summary(episode) -> dict[str, Any]:
     """What rlexp needs of an episode: its rewards, whether it went wrong and why, its turns."""
     traces = episode.traces
@@ -244,7 +250,7 @@ def summary(episode) -> dict[str, Any]:
         out |= {"reward": trace.reward, "rewards": rewards(trace),
                 "unscored": [name for name, r in trace.rewards.items() if r is None],
                 "metrics": {k: v for k, v in trace.metrics.items() if v is not None},
-                "num_turns": trace.num_turns, "num_tool_calls": len(trace.tool_messages),
+                "num_turns": trace.num_turns, "num_tool_calls": tool_calls(trace),
                 "stop_condition": trace.stop_condition, "last_reply": trace.last_reply, "trace_id": trace.id}
     return out
 
