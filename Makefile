@@ -59,7 +59,7 @@ lock:
 # feed scripts/test_durations.py.
 TEST_WORKERS ?= 2
 test: pins lint docs-check browser envs slurm
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" \
 	  --junitxml=.cache/tests-shared.xml; shared=$$?; \
 	$(PY) -m pytest -m serial --junitxml=.cache/tests-serial.xml && exit $$shared
 

@@ -30,29 +30,41 @@ TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_st
 
 
 # Files whose tests start Ray clusters on this host: `make test`'s workers run them one after
-# another on one worker (xdist group "ray"), because `cluster.address=auto` joins the newest
-# cluster started on the host, whichever test started it.
+# another on one worker, because `cluster.address=auto` joins the newest cluster started on the
+# host, whichever test started it.
 RAY_FILES = ("test_cluster.py", "test_cluster_runs.py", "test_pool_bounds.py", "test_ray_gpu.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """vLLM, Ray and reasoning-gym are pinned (requirements/): a test that needs one imports it
-    and fails if the install is broken; only a missing GPU skips. Under `--dist loadgroup`
-    (make test) a worker takes a whole file, or the whole "ray" group, at a time; the costliest
-    go first (tests/durations.py), so that no long file starts last."""
+    and fails if the install is broken; only a missing GPU skips. The costliest files come
+    first (tests/durations.py): on `make test`'s workers no long file starts last."""
     has_cuda = torch.cuda.is_available()
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    cost = group_seconds((_group(item) for item in items), {"ray": RAY_FILES})
-    items.sort(key=lambda item: -cost[_group(item)])  # stable: a file's tests keep their order
+    cost = group_seconds((work_unit(item.nodeid) for item in items), {"ray": RAY_FILES})
+    items.sort(key=lambda item: -cost[work_unit(item.nodeid)])  # stable: a file's tests keep their order
 
 
-def _group(item) -> str:
-    name = item.path.name
+def work_unit(nodeid: str) -> str:
+    """What one worker runs as a whole: a test file (its module's engine starts once), or the
+    Ray files together."""
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
     return "ray" if name in RAY_FILES else name
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler of whole files (`--dist loadfile`), with `work_unit` as the
+    file, and in the order collected (the costliest first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return WorkUnits(config, log)
 
 
 @pytest.fixture(scope="session")
