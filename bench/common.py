@@ -24,7 +24,7 @@ def default_config(overrides: list[str] = ()) -> DictConfig:
 
 
 def default_model(cfg: DictConfig) -> str:
-    return instantiate(cfg.model)  # built once, then cached under .cache/models
+    return instantiate(cfg.model)  # built once, then cached under ~/.cache/rlexp/models
 
 
 def one_step_batch(cfg: DictConfig, model_path: str, seed: int = 0):

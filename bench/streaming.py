@@ -32,7 +32,7 @@ def build_model(kind: str) -> str:
         return default_model(default_config())
     from weight_sync import llama_135m
 
-    return llama_135m()  # built once, then cached under .cache/models
+    return llama_135m()  # built once, then cached under ~/.cache/rlexp/models
 
 
 async def run(model_path: str, reps: int, tokens: int) -> None:

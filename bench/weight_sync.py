@@ -39,15 +39,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CONF, default_config, default_model, median  # noqa: E402
+from common import default_config, default_model, median  # noqa: E402
 
+from rlexp.config import cache_root  # noqa: E402
 from rlexp.models.arch import build_arch_model  # noqa: E402
 from rlexp.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from rlexp.weights import files as weights  # noqa: E402
 from rlexp.weights.files import save_safetensors  # noqa: E402
 from rlexp.weights.ram_file import RamFileTransport  # noqa: E402
 
-CACHE = CONF.parent / ".cache" / "models"  # where conf/model/*.yaml build their models
+CACHE = cache_root() / "models"  # where conf/model/*.yaml build their models
 
 
 def llama_135m() -> str:

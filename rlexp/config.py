@@ -27,6 +27,19 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 OmegaConf.register_new_resolver("rlexp.checkout", lambda p: str(CHECKOUT / p), replace=True)
 
 
+def cache_root() -> Path:
+    """Where rlexp keeps what it builds once and reuses from any directory (the built models):
+    $RLEXP_CACHE, else $XDG_CACHE_HOME/rlexp, else ~/.cache/rlexp (as Hugging Face's cache)."""
+    if os.environ.get("RLEXP_CACHE"):
+        return Path(os.environ["RLEXP_CACHE"]).expanduser().resolve()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache").expanduser().resolve() / "rlexp"
+
+
+# `${rlexp.cache:models}`: that path under cache_root().
+OmegaConf.register_new_resolver("rlexp.cache", lambda p: str(cache_root() / p), replace=True)
+
+
 # The config groups that compose the algorithm, each placed under trainer.<group>
 ALGORITHM_GROUPS = ("advantage", "policy_loss", "mismatch", "kl", "aggregation", "critic")
 

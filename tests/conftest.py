@@ -99,11 +99,22 @@ def arch_paths(tmp_path_factory) -> dict[str, str]:
     return {name: build_arch_model(cache_dir=cache, seed=0, **kw) for name, kw in BUILDS.items()}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rlexp_cache(tmp_path_factory):
+    """RLEXP_CACHE, rlexp's cache (its models under `models/`, the default `model.cache_dir`),
+    for the whole session and the runs it starts: one of the suite's own, never the user's
+    ~/.cache/rlexp."""
+    cache = tmp_path_factory.mktemp("rlexp-cache")
+    os.environ["RLEXP_CACHE"] = str(cache)
+    return cache
+
+
 @pytest.fixture(scope="session")
-def run_models(tmp_path_factory):
-    """`model.cache_dir` of the whole-run tests (test_run, test_resume, test_sweep): their runs
-    build the same tiny model (same arguments, same cache key), so it is built once."""
-    return tmp_path_factory.mktemp("run-models")
+def run_models(rlexp_cache):
+    """`model.cache_dir` of the whole-run tests (test_run, test_resume, test_sweep), the
+    session's default one: their runs build the same tiny model (same arguments, same cache
+    key), so it is built once."""
+    return rlexp_cache / "models"
 
 
 @pytest.fixture(scope="session")
