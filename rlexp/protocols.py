@@ -122,7 +122,10 @@ class Agent(Protocol):
 
 
 class Scheduler(Protocol):
-    max_staleness: int  # the most versions a trained token may be older than the version it trains
+    @property
+    def max_staleness(self) -> int:
+        """The most versions a trained token may be older than the version it trains."""
+        ...
 
     async def produce_batch(self, data: DataManager, agent: Agent, version: int) -> list[Sample]:
         """The next batch to train policy `version` on."""
