@@ -68,10 +68,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory) -> str:
+def tiny_model_path(rlexp_cache) -> str:
     from rlexp.models.tiny import build_tiny_model
 
-    return build_tiny_model(str(tmp_path_factory.mktemp("models")), **TINY_KW)
+    return build_tiny_model(str(rlexp_cache / "models"), **TINY_KW)
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +104,13 @@ def rlexp_cache(tmp_path_factory):
     """RLEXP_CACHE, rlexp's cache (its models under `models/`, the default `model.cache_dir`),
     for the whole session and the runs it starts: one of the suite's own, never the user's
     ~/.cache/rlexp."""
-    cache = tmp_path_factory.mktemp("rlexp-cache")
+    # One for the whole suite, its pytest workers included: a model is built once, by the
+    # first worker that asks for it (the others wait on its build lock, rlexp/models/tiny.py).
+    cache = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = cache.parent  # the session's directory, above each worker's own
+    cache = cache / "rlexp-cache"
+    cache.mkdir(exist_ok=True)
     os.environ["RLEXP_CACHE"] = str(cache)
     return cache
 

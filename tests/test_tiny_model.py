@@ -55,6 +55,31 @@ def test_build_is_deterministic_from_seed(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+BUILD = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from rlexp.models.tiny import build_tiny_model
+print(build_tiny_model(sys.argv[1], **json.loads(sys.argv[2])))
+"""
+
+
+def test_processes_that_want_the_same_model_at_once_build_it_once(tmp_path):
+    """Two runs sharing one cache (a sweep's jobs, the suite's workers): one builds, the other
+    waits for its build lock and finds the model built."""
+    import subprocess
+    import sys
+
+    kw = json.dumps(TINY_KW | {"warm_start_steps": 3})
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD, str(tmp_path), kw], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
+    logs = "".join(err for _, err in outs)
+    assert logs.count("tiny model: built") == 1 and logs.count("tiny model: cached") == 0, logs[-2000:]
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
+
+
 def test_bad_head_dim_is_refused(tmp_path):
     with pytest.raises(ValueError, match="head dim"):
         build_tiny_model(str(tmp_path), **(TINY_KW | {"num_heads": 8}))

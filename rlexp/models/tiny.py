@@ -8,6 +8,8 @@ so that RL starts from a policy that is sometimes right; see README "The tiny mo
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -16,6 +18,7 @@ import random
 import shutil
 import string
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -92,6 +95,7 @@ def build_tiny_model(
     """Return the path of the built model directory, building it on first use.
     `num_experts` > 0: a mixture of experts (Qwen3-MoE's layout, every MLP `num_experts`
     experts of hidden_size, top-`experts_per_token` routing) instead of Qwen2's dense MLP."""
+    params = dict(locals())
     if warm_start_format not in ("answer", "tool"):
         raise ValueError(f"model.warm_start_format must be 'answer' or 'tool', got {warm_start_format!r}")
     if hidden_size // num_heads not in (32, 64, 80, 96, 112, 128):
@@ -110,19 +114,39 @@ def build_tiny_model(
     if (out / "config.json").exists():
         log.info("tiny model: cached at %s", out)
         return str(out)
+    with _build_lock(out):  # runs sharing the user's cache (a sweep's jobs) build it once
+        if not (out / "config.json").exists():
+            _build(out, params, args, key)
+    return str(out)
 
+
+@contextlib.contextmanager
+def _build_lock(out: Path) -> Iterator[None]:
+    """Held while `out` is built: another process that wants the same model waits for it (the
+    kernel drops the lock if the builder dies)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.with_name(out.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _build(out: Path, p: dict, args: dict, key: str) -> None:
+    """Train the model `p` (build_tiny_model's arguments) describes and save it as `out`."""
     import torch  # here, not at the top: a cached model is found without importing torch
 
     t0 = time.time()
-    torch.manual_seed(seed)
+    torch.manual_seed(p["seed"])
     tokenizer = build_char_tokenizer()
-    model = _random_model(tokenizer, hidden_size, num_layers, num_heads, num_experts, experts_per_token)
-    train, _ = arithmetic.split(task_max_operand, task_ops, task_eval_size, task_seed)
-    _warm_start(model, tokenizer, train, warm_start_steps, warm_start_batch_size, warm_start_lr,
-                warm_start_target_accuracy, seed, warm_start_format)
+    model = _random_model(tokenizer, p["hidden_size"], p["num_layers"], p["num_heads"], p["num_experts"],
+                          p["experts_per_token"])
+    train, _ = arithmetic.split(p["task_max_operand"], p["task_ops"], p["task_eval_size"], p["task_seed"])
+    _warm_start(model, tokenizer, train, p["warm_start_steps"], p["warm_start_batch_size"],
+                p["warm_start_lr"], p["warm_start_target_accuracy"], p["seed"], p["warm_start_format"])
     _save_atomically(model, tokenizer, out, args, key)
     log.info("tiny model: built %s in %.1fs", out, time.time() - t0)
-    return str(out)
 
 
 def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_experts: int = 0,
