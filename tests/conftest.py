@@ -155,7 +155,7 @@ def run_temp(monkeypatch):
 
     from rlexp import orphans
 
-    root = Path(tempfile.mkdtemp(prefix="rt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    root = Path(tempfile.mkdtemp(prefix="rt-", dir=orphans.ram_root()))
     monkeypatch.setenv(orphans.TEMP_DIR_ENV, str(root))
     yield root
     shutil.rmtree(root, ignore_errors=True)
