@@ -113,7 +113,7 @@ def worker(spec_path: str, out_path: str) -> None:
     from omegaconf import OmegaConf
 
     from rlexp.trainer import distributed
-    from rlexp.trainer.token_batch import TokenBatch
+    from rlexp.trainer.batch import Layout, TrainBatch
 
     spec = json.loads(Path(spec_path).read_text())
     if "WORLD_SIZE" in os.environ:
@@ -132,8 +132,8 @@ def worker(spec_path: str, out_path: str) -> None:
     torch.manual_seed(0)
     trainer = instantiate(OmegaConf.create(spec["trainer"]), model_path=spec["model"], workers=world)
     raw = Raw(spec["model"], spec["trainer"], dev) if spec["raw"] else None
-    tb = TokenBatch.build(batch, version=0)
-    micro_batches = tb.micro_batches(list(range(len(tb))), trainer.micro_batch_tokens)
+    tb = TrainBatch.build(batch, 0, Layout(micro_batch_tokens=trainer.learner.layout.micro_batch_tokens))
+    micro_batches = tb.micro_batches
 
     fit_s, raw_s, metrics = [], [], {}
     for rep in range(1 + spec["reps"]):  # rep 0 warms up, untimed

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from rlexp.sample import Sample, Status
-from rlexp.trainer.token_batch import TokenBatch
+from rlexp.trainer.batch import Layout, TrainBatch
+from rlexp.trainer.controller import TrainController
 
 STAGES = ("initial load", "sync 1", "sync 2")  # the stage of policy version 0, 1, 2
 
@@ -75,7 +76,7 @@ def policy_turns(sample: Sample) -> int:
 
 
 @torch.no_grad()
-def measure(trainer: Any, batch: list[Sample], figures: StageFigures) -> StageFigures:
+def measure(trainer: TrainController, batch: list[Sample], figures: StageFigures) -> StageFigures:
     """Fill `figures` from `batch`, scored by `trainer` (a TrainController: its policy forward,
     as the fit runs it, micro-batch by micro-batch) at the stage's version. With routing
     recorded, the forward also compares the trainer's own top-k with the engine's experts."""
@@ -83,22 +84,22 @@ def measure(trainer: Any, batch: list[Sample], figures: StageFigures) -> StageFi
     figures.samples, figures.turns = len(scored), sum(policy_turns(s) for s in scored)
     if not scored:
         return figures
-    tb = TokenBatch.build(scored, figures.version)
+    policy = trainer.learner.policy
+    layout = Layout(micro_batch_tokens=trainer.learner.layout.micro_batch_tokens)  # every row here
+    tb = TrainBatch.build(scored, figures.version, layout)
     current = tb.loss_mask.bool() & (tb.staleness == 0)  # generated at this stage's version
     diffs, differs_sum, positions = [], 0.0, 0
-    forward = trainer.forward  # PolicyForward (rlexp/trainer/update.py)
-    for micro in tb.micro_batches(list(range(len(tb))), trainer.micro_batch_tokens):
-        logp, _ = forward(trainer.model, tb, micro)
-        mask = current[micro.rows, micro.columns]
-        behav = tb.behav_logprobs[micro.rows, micro.columns]
-        diffs.append((logp.float().cpu() - behav).abs()[mask])
-        differs = forward.moe.differs  # per position: share of MoE layers whose top-k differs
+    for micro in tb.micro_batches:
+        out = policy(tb, micro, entropy=False)
+        mask = micro.take(current)
+        diffs.append((out.logprobs.float().cpu() - micro.take(tb.rollout_logprobs)).abs()[mask])
+        differs = out.routing_differs  # per position: share of MoE layers whose top-k differs
         if differs is not None:
             differs_sum += float(differs.float().cpu()[mask].sum())
             positions += int(mask.sum())
     figures.add_diffs(torch.cat(diffs))
     if positions:
-        layers = forward.moe.n_layers
+        layers = policy.router_layers
         figures.routing_agreement = 1.0 - differs_sum / positions
         figures.routing_positions = positions * layers
     return figures

@@ -191,6 +191,7 @@ class CheckRun:
         from rlexp.cluster import build_cluster
         from rlexp.loop import RLLoop
         from rlexp.schedulers.sync import SyncScheduler
+        from rlexp.trainer.controller import TrainController
 
         loop = RLLoop(self.cfg, self.out)
         loop.setup_inputs(None, self.inputs)
@@ -199,7 +200,7 @@ class CheckRun:
         status, multi_agent = "FAILED", None
         try:
             await loop.setup_components()
-            if not hasattr(loop.trainer, "forward"):
+            if not isinstance(loop.trainer, TrainController):
                 raise ConfigError(f"rlexp.check scores with rlexp's TrainController, not {type(loop.trainer)}"
                                   " (trainer._target_)")
             self.cert.setup = setup(self.cfg, self.agent, loop)

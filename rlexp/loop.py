@@ -22,7 +22,8 @@ import gc
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,12 @@ from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
 from rlexp.preflight import Inputs, check_lengths, load_inputs
 from rlexp.progress import Progress, SweepPosition
-from rlexp.protocols import Agent, LowLevelTrainer, RolloutEngine, Scheduler, Tracker, Trainer
+from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.signals import StopOnSignals
-from rlexp.trainer.controller import fit_call_by_call
+from rlexp.trainer import update
+from rlexp.trainer.controller import TrainController
 from rlexp.trainer.sync_check import check_compared, check_versions
 from rlexp.weights.protocols import NamedTensors, WeightTransport
 
@@ -104,7 +106,7 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
                   sync_timeout_s: float = 300.0) -> tuple[list[Sample], dict[str, float]]:
     """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
     Under the async scheduler, rollout goes on in the background during fit. `fit`: the
-    update (default `trainer.fit`; loop=low_level: `fit_call_by_call` from the loop); it
+    update (default `trainer.fit`; loop=low_level: rlexp/trainer/update.py's `fit` from the loop); it
     checks the last sync on its first forward (SyncMismatch). The batch's own token versions
     are checked against `version` before it (SyncMismatch: the sync never reached the engine),
     and that the check compared tokens after it (SyncUnchecked). A sync longer than
@@ -254,9 +256,9 @@ class RLLoop:
         log.info("building %-16s %s x%d on cluster=%s", "trainer", cfg.trainer._target_,
                  cfg.trainer.get("workers", 1), self.cluster.name)
         if cfg.loop == "low_level":  # the trainer in this process (config.py: trainer.workers=1)
-            log.info("loop=low_level: the trainer's low-level calls one by one (fit_call_by_call)")
-            low_level: LowLevelTrainer = instantiate(cfg.trainer, model_path=self.model_path)
-            self.trainer, self.update = low_level, partial(fit_call_by_call, low_level)
+            log.info("loop=low_level: the loop runs the update's stages (rlexp/trainer/update.py)")
+            trainer: TrainController = instantiate(cfg.trainer, model_path=self.model_path)
+            self.trainer, self.update = trainer, partial(update.fit, trainer.learner)
         else:
             self.trainer = self.cluster.trainer(cfg.trainer, self.model_path)
             self.update = self.trainer.fit
@@ -287,7 +289,10 @@ class RLLoop:
             final = await self.evaluate(0)
         agent = GeneratedLengths(self.agent)  # every length generated, beside the ones trained
         for step in range(self.start_step + 1, total + 1):
-            batch, metrics = await self.checked_step(step, agent)
+            async with self.saved_on_sync_mismatch(step):
+                batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
+                                               self.transport, self.version, self.update,
+                                               self.cfg.sync_timeout_s)
             metrics |= agent.pop_metrics()
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)
@@ -308,15 +313,14 @@ class RLLoop:
                 raise RunStopped(failure_report(batch, step, limit, str(path), str(self.run_dir)))
         return final
 
-    async def checked_step(self, step: int, agent: Agent) -> tuple[list[Sample], dict[str, float]]:
-        """`rl_step`; when its fit finds that the last sync did not land (SyncMismatch, before
-        any optimizer step), the loop's state as it was before the step is saved with the
-        trainer's weights, which are still step - 1's."""
-        assert self.scheduler and self.engine and self.trainer and self.transport
+    @asynccontextmanager
+    async def saved_on_sync_mismatch(self, step: int) -> AsyncIterator[None]:
+        """Around step `step`: when its fit finds that the last sync did not land (SyncMismatch,
+        before any optimizer step), the loop's state as it was before the step is saved with
+        the trainer's weights, which are still step - 1's."""
         before = self.run_state(step - 1)
         try:
-            return await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer, self.transport,
-                                 self.version, self.update, self.cfg.sync_timeout_s)
+            yield
         except SyncMismatch as e:
             if step == 1:
                 raise SyncMismatch(f"step 1: {e}. Nothing was trained yet: fix the setup, start again") from e

@@ -7,7 +7,7 @@ an optional one has a default body, which a class gets by subclassing the Protoc
       |-- Scheduler      produce_batch(data, agent, version) / sync_weights(engine, publish, version)
       |     '-- Agent    rollout(sample) -> Sample(s), talking to the RolloutEngine, scored by a Judge
       |-- Trainer        fit(batch, version); weights() for publication; save(dir) / load(dir)
-      |                  (LowLevelTrainer: fit as calls a loop makes one by one, loop=low_level)
+      |                  (rlexp's TrainController: fit is rlexp/trainer/update.py's stages)
       |-- WeightTransport  trainer.weights() -> engine, tagged with the version they become
       |                  (rlexp/weights/protocols.py, with what a transport asks of an engine)
       |-- Evaluator      metrics(eval batch)
@@ -166,23 +166,6 @@ class Trainer(Protocol):
         ...
 
     def load(self, directory: Path) -> None: ...
-
-
-class LowLevelTrainer(Trainer, Protocol):
-    """A Trainer whose `fit` is these calls in order on one fit batch (loop=low_level calls
-    them one by one; rlexp/trainer/update.py). The batch type is the trainer's own."""
-
-    def prepare(self, batch: list[Sample], version: int) -> Any: ...
-
-    def compute_old_logprobs(self, fb: Any) -> torch.Tensor | None: ...
-
-    def compute_ref_logprobs(self, fb: Any) -> torch.Tensor | None: ...
-
-    def compute_values(self, fb: Any) -> torch.Tensor | None: ...
-
-    def compute_advantages(self, fb: Any) -> torch.Tensor | None: ...
-
-    def train(self, fb: Any) -> dict[str, float]: ...
 
 
 class Evaluator(Protocol):

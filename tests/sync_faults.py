@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -153,7 +153,7 @@ def plant(fault: Fault, trainer, engine, run, prompts: list[list[int]], temperat
             went_on = trainer.fit(batch, 1)
         except SyncMismatch as e:  # stopped before the optimizer step: the same fit, unchecked
             error = e
-            trainer.sync_check = trainer.update.sync_check = SyncCheck(bound="off")
+            trainer.learner = replace(trainer.learner, sync_check=SyncCheck(bound="off"))
             went_on = trainer.fit(batch, 1)
         return Outcome(healthy, versions, error, went_on)
     finally:

@@ -37,8 +37,8 @@ def clipped_pg_loss(logp, old_logp, adv, clip_low, clip_high):
     return loss, ratio.detach(), (clipped > unclipped).float()
 
 
-def truncated_is_pg_loss(logp, behav_logp, adv, cap):
-    ratio = torch.exp(logp - behav_logp).detach()
+def truncated_is_pg_loss(logp, rollout_logp, adv, cap):
+    ratio = torch.exp(logp - rollout_logp).detach()
     weight = torch.clamp(ratio, max=cap)
     return -weight * adv * logp, ratio, (ratio > cap).float()
 

@@ -22,15 +22,15 @@ def t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def inputs(logp, ratio=None, adv=None, mask=None, old_logp=None, behav_logp=None) -> TokenInputs:
+def inputs(logp, ratio=None, adv=None, mask=None, old_logp=None, rollout_logp=None) -> TokenInputs:
     """logp a leaf with a gradient; old_logp = logp - log(ratio) unless given."""
     logp = t(logp).requires_grad_()
     if old_logp is None:
         old_logp = logp.detach() - torch.log(t(ratio))
     old_logp = t(old_logp) if not isinstance(old_logp, torch.Tensor) else old_logp
-    behav = old_logp.clone() if behav_logp is None else t(behav_logp)
+    behav = old_logp.clone() if rollout_logp is None else t(rollout_logp)
     mask = torch.ones_like(logp) if mask is None else t(mask)
-    return TokenInputs(logp=logp, old_logp=old_logp, behav_logp=behav, adv=t(adv), mask=mask)
+    return TokenInputs(logp=logp, old_logp=old_logp, rollout_logp=behav, adv=t(adv), mask=mask)
 
 
 def grad(loss: torch.Tensor, x: TokenInputs) -> torch.Tensor:
@@ -162,7 +162,7 @@ def test_tis_truncates_the_behaviour_ratio_and_ignores_the_proximal_policy():
     logp = [-1.0, -2.0, -0.5]
     behav = [lp - math.log(r) for lp, r in zip(logp, [0.5, 3.0, 1.0])]
     # the proximal policy is far off: TIS must not look at it
-    x = inputs(logp, old_logp=[-30.0, 10.0, -5.0], behav_logp=behav, adv=[2.0, -1.0, 1.0])
+    x = inputs(logp, old_logp=[-30.0, 10.0, -5.0], rollout_logp=behav, adv=[2.0, -1.0, 1.0])
     loss, m = TIS(2.0)(x)
     w = [0.5, 2.0, 1.0]
     assert_close(loss, t([-wi * a * lp for wi, a, lp in zip(w, [2, -1, 1], logp)]))
@@ -180,7 +180,7 @@ def test_decoupled_ppo_is_ppo_around_the_proximal_policy_times_the_behaviour_wei
     logp = [-1.0, -2.0]
     old = [logp[0] - math.log(1.1), logp[1] - math.log(1.5)]
     behav = [old[0] - math.log(3.0), old[1] - math.log(0.5)]
-    x = inputs(logp, old_logp=old, behav_logp=behav, adv=[1.0, 1.0])
+    x = inputs(logp, old_logp=old, rollout_logp=behav, adv=[1.0, 1.0])
     loss, m = Decoupled(0.2, 0.2, is_cap=2.0)(x)
     assert_close(loss, t([-2.2, -0.6]))
     assert_close(m["pg_loss"], loss.detach())

@@ -11,7 +11,8 @@ from rlexp.algorithms.advantages import GroupNormalized
 from rlexp.algorithms.gae import GAE
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.controller import TrainController
-from rlexp.trainer.critic import CRITIC_FILE, Critic, explained_variance
+from rlexp.trainer.critic import CRITIC_FILE, Critic
+from rlexp.trainer.fit_metrics import explained_variance
 from rlexp.weights.files import WEIGHTS_FILE
 from tests.fakes import UNCHECKED
 
@@ -124,43 +125,41 @@ def test_explained_variance():
     assert explained_variance(ret + torch.tensor([[1.0, -1, 1, 0]]), ret, mask) == pytest.approx(1 - 4 / 3)
 
 
-def test_the_low_level_calls_make_fit(tiny_model_path):
-    """loop=low_level's step (`fit_call_by_call` from the loop) and `fit`: the same weights
-    (policy and critic) and metrics after 5 steps, each call timed in both, with every
-    low-level call doing work (a recomputed proximal policy, the reference for the KL in the
-    reward, the critic, two minibatches)."""
+def _own_loop_fit(learner, samples, version):
+    """The update's stages called one by one, as a loop of one's own would (rlexp/trainer/update.py)."""
+    from rlexp.trainer import update
+    from rlexp.trainer.batch import TrainBatch, trained
+
+    batch = TrainBatch.build(trained(samples), version, learner.layout, produced=len(samples))
+    old = update.old_logprobs(learner, batch)
+    ref = update.ref_logprobs(learner, batch)
+    values = update.critic_values(learner, batch)
+    signals = update.advantages(learner, batch, old, ref, values)
+    assert signals.advantages.shape == batch.loss_mask.shape and signals.returns is not None
+    for minibatch in batch.minibatches:
+        update.forward_backward(learner, batch, minibatch, signals)
+        update.optimizer_step(learner)
+        update.critic_step(learner, batch, minibatch, signals)
+    update.end_of_fit(learner, {})
+
+
+def test_the_stages_called_one_by_one_make_fit(tiny_model_path):
+    """A loop of one's own calling the update's stages (the low-level API) and `fit`: the same
+    weights (policy and critic) after 5 steps, with every stage doing work (a recomputed
+    proximal policy, the reference for the KL in the reward, the critic, two minibatches);
+    `fit` times each stage."""
     from rlexp.algorithms.kl import KLTerm
-    from rlexp.trainer.controller import fit_call_by_call
 
     kw = dict(kl=KLTerm("k1", coef=0.05, where="reward"), minibatches_per_step=2)
-    by_fit, by_calls = _ppo(tiny_model_path, **kw), _ppo(tiny_model_path, **kw)
+    by_fit, by_stages = _ppo(tiny_model_path, **kw), _ppo(tiny_model_path, **kw)
     for step in range(5):
         batch = _batch(seed=step)
         m_fit = by_fit.fit(batch, step)
-        m_calls = fit_call_by_call(by_calls, batch, step)
-        calls = ("prepare", "old_logprobs", "ref_logprobs", "values", "advantages", "train")
-        for m in (m_calls, m_fit):
-            assert {k for k in m if k.startswith("timing/fit/")} == {f"timing/fit/{c}_s" for c in calls}
-        measured = ("timing/", "memory/")  # wall-clock, and the process's peak RSS
-        assert ({k: v for k, v in m_calls.items() if not k.startswith(measured)}
-                == {k: v for k, v in m_fit.items() if not k.startswith(measured)}), step
-    assert m_fit["train/kl"] > 0 and m_fit["critic/vf_loss"] > 0 and m_fit["train/skipped_step"] == 0
-    for a, b in ((by_fit.model, by_calls.model), (by_fit.critic.model, by_calls.critic.model)):
+        _own_loop_fit(by_stages.learner, batch, step)
+        stages = ("prepare", "old_logprobs", "ref_logprobs", "values", "advantages", "train")
+        assert {k for k in m_fit if k.startswith("timing/fit/")} == {f"timing/fit/{c}_s" for c in stages}
+    assert m_fit["train/kl"] != 0 and m_fit["critic/vf_loss"] > 0 and m_fit["train/skipped_step"] == 0
+    for a, b in ((by_fit.model, by_stages.model), (by_fit.critic.model, by_stages.critic.model)):
         sa, sb = _state(a), _state(b)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
-
-
-def test_low_level_calls_out_of_order_name_the_missing_call(tiny_model_path):
-    t = _ppo(tiny_model_path)
-    fb = t.prepare(_batch(), 0)
-    with pytest.raises(RuntimeError, match="compute_old_logprobs"):
-        t.compute_advantages(fb)
-    t.compute_old_logprobs(fb)
-    with pytest.raises(RuntimeError, match="needs compute_values"):
-        t.compute_advantages(fb)  # a critic: GAE needs its values
-    t.compute_values(fb)
-    with pytest.raises(RuntimeError, match="needs compute_advantages"):
-        t.train(fb)
-    t.compute_advantages(fb)
-    assert fb.advantages is not None and fb.advantages.shape == fb.tokens.loss_mask.shape
-    assert t.train(fb)["critic/vf_loss"] > 0
+    assert by_fit.learner.fits_done == by_stages.learner.fits_done == 5

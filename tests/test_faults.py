@@ -121,6 +121,8 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     import torch
 
     from rlexp.sample import TokenTrace
+    from rlexp.trainer import update
+    from rlexp.trainer.batch import TrainBatch, trained
     from rlexp.trainer.controller import TrainController
 
     trainer = TrainController(tiny_model_path, 1.0, lambda p: torch.optim.AdamW(p, lr=1e-4), total_steps=1,
@@ -129,11 +131,13 @@ def test_failed_samples_do_not_shift_their_groups_advantages(tiny_model_path):
     for s, r, st in zip(batch, (1.0, 0.0, 0.0), (Status.COMPLETED, Status.COMPLETED, Status.FAILED)):
         s.reward, s.status = r, st
         s.trace = TokenTrace([5, 6, 7], [0, 0, 1], [0.0, 0.0, -1.0], [0, 0, 0])
-    fb = trainer.prepare(batch, 0)
-    assert fb.trained == [0, 1]  # the failed sample is no row
-    trainer.compute_old_logprobs(fb)
-    adv = trainer.compute_advantages(fb)  # [trained rows, tokens - 1]: the trained token is the last
-    assert adv is not None and adv.shape[0] == 2
+    learner = trainer.learner
+    rows = trained(batch)
+    assert rows == batch[:2]  # the failed sample is no row
+    tb = TrainBatch.build(rows, 0, learner.layout)
+    signals = update.advantages(learner, tb, update.old_logprobs(learner, tb), None, None)
+    adv = signals.advantages  # [trained rows, tokens - 1]: the trained token is the last
+    assert adv.shape[0] == 2
     assert adv[:, -1].tolist() == pytest.approx([1.0, -1.0], abs=1e-4)  # as if the failed one were absent
 
 

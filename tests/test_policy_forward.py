@@ -1,4 +1,4 @@
-"""The chunked head (rlexp/trainer/policy_forward.py): scored in chunks of positions, the
+"""The chunked head (rlexp/trainer/policy.py): scored in chunks of positions, the
 logprobs, entropies and gradients are the one-chunk computation's (fp32, to a few ulps), on a
 dense model, LoRA, an MoE with routing replay and a VLM with its placeholders masked; and no
 buffer of the vocabulary's width ever holds more than one chunk of positions, forward or
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from rlexp.trainer.batch import Layout, TrainBatch
 from rlexp.trainer.controller import TrainController
-from rlexp.trainer.token_batch import TokenBatch
 from tests.dist_fit import make_batch, make_vlm_batch
 from tests.fakes import UNCHECKED
 
@@ -49,10 +49,11 @@ def _trainer(path, chunk, optimizer=SGD, **kw):
 def _scored(trainer, batch, forward_watch=None, backward_watch=None):
     """Logprobs, entropies and the gradient of their sum, of the batch as one micro-batch (its
     rows longest first: the input ids in that order come last)."""
-    tb = TokenBatch.build(batch, 0)
-    micro = tb.micro_batches(list(range(len(tb))), ONE_CHUNK)[0]
+    tb = TrainBatch.build(batch, 0, Layout(micro_batch_tokens=ONE_CHUNK))
+    micro = tb.micro_batches[0]
     with forward_watch or nullcontext():
-        logp, entropy = trainer.forward(trainer.model, tb, micro, entropy=True)
+        out = trainer.learner.policy(tb, micro)
+    logp, entropy = out.logprobs, out.entropy
     with backward_watch or nullcontext():
         (logp.sum() + entropy.sum()).backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -88,7 +89,7 @@ def test_no_vocabulary_buffer_holds_more_than_a_chunk_forward_or_backward(arch_p
     batch = make_batch(0)
     trainer = _trainer(path, 16)
     head = trainer.model.get_output_embeddings().weight
-    positions = TokenBatch.build(batch, 0).input_ids.numel()  # rows x width
+    positions = TrainBatch.build(batch, 0, Layout()).input_ids.numel()  # rows x width
     chunked = WidestVocabBuffer(head), WidestVocabBuffer(head)
     whole = WidestVocabBuffer(head), WidestVocabBuffer(head)
     _scored(trainer, batch, *chunked)
@@ -143,5 +144,5 @@ def test_mixed_precision_in_one_process_computes_in_bf16_with_fp32_master_weight
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     assert all(g.dtype == torch.float32 for g in b[2].values())
     mixed.fit(batch, 0)
-    state = mixed.optimizer.state[next(iter(mixed.model.parameters()))]
+    state = mixed.learner.optimizer.state[next(iter(mixed.model.parameters()))]
     assert all(v.dtype == torch.float32 for v in state.values() if isinstance(v, torch.Tensor) and v.dim())

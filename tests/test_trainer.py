@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from rlexp.algorithms.kl import KLTerm
 from rlexp.algorithms.policy_losses import TIS, Decoupled, PPOClip
 from rlexp.sample import Sample, Status, TokenTrace
+from rlexp.trainer.batch import Layout, TrainBatch
 from rlexp.trainer.controller import TrainController
-from rlexp.trainer.token_batch import TokenBatch
 from tests.fakes import UNCHECKED
 
 
@@ -19,15 +19,17 @@ def test_micro_batches_cover_every_row_once_within_budget_longest_first():
     lengths = (5, 9, 3, 7, 2, 12)
     samples = [Sample(group_id=0, prompt=[], answer="",
                       trace=TokenTrace([1] * n, [1] * n, [0.0] * n, [0] * n)) for n in lengths]
-    tb = TokenBatch.build(samples, version=0)
+    tb = TrainBatch.build(samples, 0, Layout(micro_batch_tokens=20))
     assert tb.input_ids.shape == (6, 12) and tb.loss_mask.shape == (6, 11)
-    micro = tb.micro_batches(list(range(6)), max_tokens=20)
+    micro = tb.micro_batches
     assert sorted(i for mb in micro for i in mb.rows.tolist()) == list(range(6))
     for mb in micro:
         assert mb.width == max(lengths[i] for i in mb.rows.tolist())
         assert len(mb.rows) == 1 or len(mb.rows) * mb.width <= 20
     assert [mb.rows.tolist() for mb in micro] == [[5], [1, 3], [0, 2, 4]]  # 12 | 9+7 | 5+3+2
-    assert tb.pad_frac(micro) == pytest.approx(1 - 38 / (12 + 18 + 15))
+    only = tb.minibatches[0].micro_batches  # one minibatch on one rank: the same cut
+    assert [m.rows.tolist() for m in only] == [m.rows.tolist() for m in micro]
+    assert tb.pad_frac() == pytest.approx(1 - 38 / (12 + 18 + 15))
 
 
 def _trainer(path, lr=1e-3, **kw):
@@ -185,7 +187,7 @@ def test_save_then_load_continues_exactly(tiny_model_path, tokenizer, tmp_path):
     b = make()
     b.load(tmp_path)
     ma, mb = a.fit(_batch(tokenizer, texts), 1), b.fit(_batch(tokenizer, texts), 1)
-    assert ma["train/lr"] == mb["train/lr"] != make().optimizer.param_groups[0]["lr"]
+    assert ma["train/lr"] == mb["train/lr"] != make().learner.optimizer.param_groups[0]["lr"]
     wa, wb = dict(a.weights()), dict(b.weights())
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], v) for k, v in make().weights())  # the steps moved them
@@ -195,10 +197,11 @@ def test_reference_forward_runs_only_on_the_steps_that_log_kl(tiny_model_path, t
     texts = [("12+3=", [("15", 1.0), ("99", 0.0)])]
     trainer = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=3)
     calls = []
-    forward = trainer.ref.forward
-    trainer.ref.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+    ref = trainer.learner.policy.reference.model
+    forward = ref.forward
+    ref.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
     logged = ["train/kl" in trainer.fit(_batch(tokenizer, texts), v) for v in range(6)]
     assert logged == [False, False, True, False, False, True] and len(calls) == 2
-    assert _trainer(tiny_model_path, ref_kl_every_n_steps=0).ref is None  # nothing uses it: not kept
+    assert not _trainer(tiny_model_path, ref_kl_every_n_steps=0).learner.policy.reference  # unused: not kept
     with_loss = _trainer(tiny_model_path, lr=0.05, ref_kl_every_n_steps=0, kl=KLTerm(coef=0.1))
     assert all("train/kl" in with_loss.fit(_batch(tokenizer, texts), v) for v in range(2))

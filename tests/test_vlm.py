@@ -186,7 +186,7 @@ def test_the_trainer_takes_the_samples_pixels_and_its_weights_reach_the_engine(v
 
 def test_a_micro_batch_stacks_each_rows_pixels_and_pads_with_zero_images():
     from rlexp.sample import Sample, TokenTrace
-    from rlexp.trainer.token_batch import TokenBatch
+    from rlexp.trainer.batch import Layout, TrainBatch
 
     def sample(images: int) -> Sample:
         trace = TokenTrace([1, 2, 3, 4], [0, 0, 1, 1], [0.0] * 4, [0] * 4)
@@ -196,14 +196,15 @@ def test_a_micro_batch_stacks_each_rows_pixels_and_pads_with_zero_images():
                                "pixel_attention_mask": torch.ones(images, 8, 8, dtype=torch.bool)}
         return s
 
-    tb = TokenBatch.build([sample(2), sample(0), sample(1)], version=0)
-    inputs = tb.model_inputs(torch.tensor([0, 1, 2]), 4, torch.device("cpu"))
+    tb = TrainBatch.build([sample(2), sample(0), sample(1)], 0, Layout())
+    assert tb.images is not None
+    inputs = tb.images.inputs(torch.tensor([0, 1, 2]), torch.device("cpu"))
     assert inputs["pixel_values"].shape == (3, 2, 3, 8, 8)
     assert (inputs["pixel_values"][0] == 2).all() and (inputs["pixel_values"][1] == 0).all()
     assert (inputs["pixel_values"][2, 0] == 1).all() and (inputs["pixel_values"][2, 1] == 0).all()
     mask = inputs["pixel_attention_mask"]
     assert mask[2].sum() == 64 and mask.dtype == torch.bool
-    assert set(tb.model_inputs(torch.tensor([1]), 4, torch.device("cpu"))) == {"input_ids"}
+    assert tb.images.inputs(torch.tensor([1]), torch.device("cpu")) == {}
 
 
 def test_the_engine_gets_each_images_span_collapsed_to_the_placeholder(vlm_path):

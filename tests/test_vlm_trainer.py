@@ -54,7 +54,7 @@ def test_freeze_vision_keeps_the_vision_encoder_and_leaves_it_out_of_the_sync(vl
     trainer = _trainer(vlm_path, freeze_vision=freeze)
     vision = {n for n in base if n.startswith(VISION)}
     assert vision and all(n.startswith(VISION) for n in base if "vision" in n)
-    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    optimized = {id(p) for group in trainer.learner.optimizer.param_groups for p in group["params"]}
     for n, p in trainer.model.named_parameters():
         assert p.requires_grad == (id(p) in optimized) == (not (freeze and n.startswith(VISION))), n
     before = _state(trainer)
@@ -78,7 +78,7 @@ def test_freeze_vision_needs_a_vision_language_model(tmp_path):
     """Refused from the config alone, before any weights load (the directory has none)."""
     from transformers import AutoConfig
 
-    from rlexp.trainer.policy import vision_encoder
+    from rlexp.trainer.models import vision_encoder
 
     AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=64, vocab_size=100).save_pretrained(tmp_path)
@@ -92,7 +92,7 @@ def test_a_sharded_vlm_refuses_a_batch_mixing_rows_with_and_without_images():
     """Unguarded, 2 ranks, one's micro-batch with an image and the other's without, die in
     gloo ("Received data size doesn't match expected size. Is there a distributed collective
     mismatch"): only the first runs the vision encoder's all-gathers."""
-    from rlexp.trainer.policy import check_sharded_images
+    from rlexp.trainer.batch import check_sharded_images
 
     pixels = {"pixel_values": torch.zeros(1, 3, 8, 8)}
     for rows, world in (([pixels, pixels], 2), ([None, None], 2), (None, 2), ([pixels, None], 1)):

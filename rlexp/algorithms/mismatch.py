@@ -1,4 +1,4 @@
-"""Rollout/training mismatch corrections: the rollout engine's logprobs (`behav_logp`) and the
+"""Rollout/training mismatch corrections: the rollout engine's logprobs (`rollout_logp`) and the
 trainer's own before the update (`old_logp`, recomputed) differ, by kernels and precision and,
 under the async scheduler, by policy versions. A correction turns rho = pi_old / pi_behav into
 a weight on each token's loss and a mask of the tokens kept:
@@ -27,14 +27,14 @@ Above1 = Annotated[float, Gt(1)]
 class MismatchCorrection(Protocol):
     needs_recompute: bool
 
-    def __call__(self, old_logp: torch.Tensor, behav_logp: torch.Tensor,
+    def __call__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                  mask: torch.Tensor) -> Correction: ...
 
 
 class NoCorrection:
     needs_recompute = False
 
-    def __call__(self, old_logp, behav_logp, mask) -> Correction:
+    def __call__(self, old_logp, rollout_logp, mask) -> Correction:
         return None, None, {}
 
 
@@ -47,8 +47,8 @@ class TokenTIS:
     def __init__(self, is_cap: Cap = 2.0):
         self.cap = is_cap
 
-    def __call__(self, old_logp, behav_logp, mask) -> Correction:
-        ratio = clamped_exp(old_logp - behav_logp).detach()
+    def __call__(self, old_logp, rollout_logp, mask) -> Correction:
+        ratio = clamped_exp(old_logp - rollout_logp).detach()
         weight = ratio.clamp(max=self.cap)
         return weight, None, {"is_weight_mean": weight, "is_truncated_frac": (ratio > self.cap).float()}
 
@@ -63,8 +63,8 @@ class SeqTIS:
     def __init__(self, is_cap: Cap = 2.0):
         self.cap = is_cap
 
-    def __call__(self, old_logp, behav_logp, mask) -> Correction:
-        ratio = clamped_exp(seq_log_ratio(old_logp - behav_logp, mask)).detach()
+    def __call__(self, old_logp, rollout_logp, mask) -> Correction:
+        ratio = clamped_exp(seq_log_ratio(old_logp - rollout_logp, mask)).detach()
         weight = ratio.clamp(max=self.cap)
         return (weight[:, None].expand_as(mask), None,
                 {"is_weight_mean": weight, "is_truncated_frac": (ratio > self.cap).float()})
@@ -85,8 +85,8 @@ class IcePop:
     def __init__(self, low: Below1 = 0.5, high: Above1 = 2.0):
         self.low, self.high = low, high
 
-    def __call__(self, old_logp, behav_logp, mask) -> Correction:
-        ratio = clamped_exp(old_logp - behav_logp).detach()
+    def __call__(self, old_logp, rollout_logp, mask) -> Correction:
+        ratio = clamped_exp(old_logp - rollout_logp).detach()
         keep = ((ratio >= self.low) & (ratio <= self.high)).float()
         weight = ratio * keep
         return weight, keep, {"is_weight_mean": weight, "masked_token_frac": 1.0 - keep}
@@ -103,8 +103,8 @@ class SeqMask:
     def __init__(self, low: Below1 = 0.5, high: Above1 = 2.0, geometric: bool = True):
         self.low, self.high, self.geometric = low, high, geometric
 
-    def __call__(self, old_logp, behav_logp, mask) -> Correction:
-        ratio = clamped_exp(seq_log_ratio(old_logp - behav_logp, mask, mean=self.geometric)).detach()
+    def __call__(self, old_logp, rollout_logp, mask) -> Correction:
+        ratio = clamped_exp(seq_log_ratio(old_logp - rollout_logp, mask, mean=self.geometric)).detach()
         keep = ((ratio >= self.low) & (ratio <= self.high)).float()
         keep_tokens = keep[:, None].expand_as(mask)
         return None, keep_tokens, {"masked_seq_frac": 1.0 - keep, "masked_token_frac": 1.0 - keep_tokens}

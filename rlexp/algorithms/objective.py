@@ -46,7 +46,7 @@ class Objective:
         """The per-token loss, and every per-token (or per-sequence) quantity logged with it.
         `ref_logp` None: no reference this step (then the KL must not be in the loss)."""
         loss, metrics = self.policy_loss(x)
-        weight, keep, corrections = self.mismatch(x.old_logp, x.behav_logp, x.mask)
+        weight, keep, corrections = self.mismatch(x.old_logp, x.rollout_logp, x.mask)
         if weight is not None:  # an importance weight: of the policy gradient
             loss = loss * weight
             metrics["pg_loss"] = loss.detach()

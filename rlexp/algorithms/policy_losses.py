@@ -25,7 +25,7 @@ Metrics = dict[str, torch.Tensor]
 class TokenInputs:
     logp: torch.Tensor  # [n, T] the policy being trained (differentiable)
     old_logp: torch.Tensor  # [n, T] the proximal policy (no gradient)
-    behav_logp: torch.Tensor  # [n, T] the rollout engine's, the behaviour policy (no gradient)
+    rollout_logp: torch.Tensor  # [n, T] the rollout engine's, the behaviour policy (no gradient)
     adv: torch.Tensor  # [n, T]
     mask: torch.Tensor  # [n, T] 1.0 at trained tokens
 
@@ -104,7 +104,7 @@ class CISPO:
 
 class TIS:
     """Truncated importance sampling against the behaviour policy, no trust region and no
-    recomputed proximal policy: -min(r, cap) A logp, r = exp(logp - behav_logp) held constant
+    recomputed proximal policy: -min(r, cap) A logp, r = exp(logp - rollout_logp) held constant
     (Espeholt et al. 2018 IMPALA's truncation; Yao et al. 2025, "Your efficient RL framework
     secretly brings you off-policy RL training"). Its gradient equals PPO's where r = 1."""
 
@@ -114,9 +114,9 @@ class TIS:
         self.tis = TokenTIS(is_cap)
 
     def __call__(self, x: TokenInputs) -> tuple[torch.Tensor, Metrics]:
-        weight, _, metrics = self.tis(x.logp.detach(), x.behav_logp, x.mask)
+        weight, _, metrics = self.tis(x.logp.detach(), x.rollout_logp, x.mask)
         assert weight is not None
-        ratio = clamped_exp(x.logp.detach() - x.behav_logp)
+        ratio = clamped_exp(x.logp.detach() - x.rollout_logp)
         loss = -weight * x.adv * x.logp
         return loss, {"pg_loss": loss.detach(), "clip_frac": metrics["is_truncated_frac"],
                       "ratio_mean": ratio} | metrics
@@ -135,7 +135,7 @@ class Decoupled:
 
     def __call__(self, x: TokenInputs) -> tuple[torch.Tensor, Metrics]:
         loss, metrics = self.ppo(x)
-        weight, _, weights = self.tis(x.old_logp, x.behav_logp, x.mask)
+        weight, _, weights = self.tis(x.old_logp, x.rollout_logp, x.mask)
         assert weight is not None
         loss = loss * weight
         return loss, metrics | weights | {"pg_loss": loss.detach()}

@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
-from rlexp.algorithms.aggregation import Aggregation, Totals
+from rlexp.algorithms.aggregation import Aggregation
 from rlexp.algorithms.gae import ClippedValueLoss
 from rlexp.constraints import AtLeast0, Positive
 from rlexp.models.local import resolve_dtype
 from rlexp.trainer import distributed
-from rlexp.trainer.fit_metrics import MetricSums
+from rlexp.trainer.batch import MicroBatch, Minibatch, TrainBatch
+from rlexp.trainer.metric_sums import MetricSums
 from rlexp.trainer.schedule import LrSchedule, lr_factor
-from rlexp.trainer.token_batch import MicroBatch, TokenBatch
 
 log = logging.getLogger(__name__)
 
@@ -65,33 +65,31 @@ class Critic:
         log.info("critic: %s with a value head, %d parameters", path,
                  sum(p.numel() for p in self.model.parameters()))
 
-    def _forward(self, tb: TokenBatch, micro: MicroBatch) -> torch.Tensor:
-        ids = tb.input_ids[micro.rows, :micro.width].to(self.device)
+    def _forward(self, batch: TrainBatch, micro: MicroBatch) -> torch.Tensor:
+        ids = batch.input_ids[micro.rows, :micro.width].to(self.device)
         with torch.autocast(self.device.type, dtype=getattr(torch, self.autocast or "float32"),
                             enabled=self.autocast is not None):
             return self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
 
     @torch.no_grad()
-    def values(self, tb: TokenBatch, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """[N, L-1] values of the rows in `micro_batches` (0 elsewhere), before the update."""
-        out = torch.zeros(tb.loss_mask.shape, device=self.device)
-        for micro in micro_batches:
-            v = self._forward(tb, micro)
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, L-1] values of this rank's rows (0 elsewhere), before the update."""
+        out = torch.zeros(batch.loss_mask.shape, device=self.device)
+        for micro in batch.micro_batches:
+            v = self._forward(batch, micro)
             if micro.real:
                 out[micro.rows.to(self.device), micro.columns] = v
         return out
 
-    def train_minibatch(self, tb: TokenBatch, micro_batches: list[MicroBatch], totals: Totals,
-                        old_values: torch.Tensor, returns: torch.Tensor,
-                        aggregation: Aggregation) -> MetricSums:
+    def train_minibatch(self, batch: TrainBatch, minibatch: Minibatch, old_values: torch.Tensor,
+                        returns: torch.Tensor, aggregation: Aggregation) -> MetricSums:
         """One optimizer step of the value loss over this rank's micro-batches of a minibatch,
         aggregated like the policy loss; the sums of its metrics (token means over all ranks)."""
-        part = MetricSums()
-        for micro in micro_batches:
-            rows, cols = micro.rows.to(self.device), micro.columns
-            v = self._forward(tb, micro)
-            mask = tb.loss_mask[micro.rows, cols].to(self.device) if micro.real else torch.zeros_like(v)
-            loss, terms = self.value_loss(v, old_values[rows, cols], returns[rows, cols])
+        part, totals = MetricSums(), minibatch.totals
+        for micro in minibatch.micro_batches:
+            v = self._forward(batch, micro)
+            mask = micro.take(batch.loss_mask).to(self.device) if micro.real else torch.zeros_like(v)
+            loss, terms = self.value_loss(v, micro.take(old_values), micro.take(returns))
             aggregation(loss, mask, totals).backward()
             part.add_terms(terms | {"vf_loss": loss, "value_mean": v}, mask, totals)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
@@ -119,24 +117,3 @@ class Critic:
         state = torch.load(directory / CRITIC_STATE, map_location="cpu", weights_only=False)
         distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-
-
-def critic_report(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How well the values before a fit predicted the returns it trains them toward."""
-    return {"critic/returns_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
-            "critic/explained_var": explained_variance(values, returns, mask)}
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over the trained tokens: 1 when the critic predicts the returns,
-    0 when it does no better than their mean, negative when worse (NaN: returns constant)."""
-    n = mask.sum()
-    if n < 2:
-        return float("nan")
-
-    def var(x):
-        mean = (x * mask).sum() / n
-        return (((x - mean) * mask) ** 2).sum() / (n - 1)
-
-    v_ret = var(returns)
-    return float(1 - var(returns - values) / v_ret) if v_ret > 0 else float("nan")

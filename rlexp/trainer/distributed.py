@@ -99,6 +99,12 @@ def all_gather_1d(t: torch.Tensor) -> torch.Tensor:
     return all_reduce_(out, "sum")
 
 
+def reset_peak_memory(dev: torch.device) -> None:
+    """Start counting the peak anew (a fit's: `peak_memory_mb` at its end)."""
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
 def peak_memory_mb(dev: torch.device) -> float:
     """Peak allocated GPU memory on CUDA; peak resident memory of this process on CPU."""
     if dev.type == "cuda":

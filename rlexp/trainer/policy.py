@@ -1,130 +1,207 @@
-"""The policy the trainer updates: a causal LM or a vision-language model, with LoRA adapters
-when asked, and the frozen reference copy when the algorithm needs one, both sharded when
-distributed; and the tensors it publishes.
+"""The policy the update trains, and its forward as the engine samples: each predicted
+token's logprob (and the entropy of its distribution) under logits / temperature, the
+never-sampled ids masked, without ever holding the vocabulary's logits of more than
+`logits_chunk_tokens` positions.
 
-A vision-language model (a config with a `vision_config`, loaded as transformers'
-`AutoModelForImageTextToText`):
+For position t of a row, with hidden state h_t (the model's output before its head), head
+weight W and sampling temperature T:
 
-- `freeze_vision` freezes its vision encoder, the module transformers' `get_encoder("image")`
-  finds (`vision_tower`, `visual`, `vision_model`, `vision_encoder` or `image_tower`;
-  Idefics3/SmolVLM: `model.vision_model`): requires_grad False, so the optimizer never sees
-  it, and its tensors are left out of the weights pushed to the engine, which keeps the ones
-  it loaded (they never change). The connector that projects the image features into the
-  language model (Idefics3's `model.connector`) still trains, as with LLaMA-Factory's
-  `freeze_vision_tower` (its projector has a switch of its own, `freeze_multi_modal_projector`);
-  where transformers' vision module holds the projector itself (Qwen2-VL's `visual` holds its
-  `merger`), that is frozen with it, as with verl's `freeze_vision_tower`.
-- Sharded over ranks (FSDP2), every trained row of a batch needs an image, or none does
-  (`check_sharded_images`).
-- LoRA puts adapters only on the language model's (`get_decoder()`: Idefics3's
-  `model.text_model`) modules named in `target_modules`: a SigLIP-style vision tower has
-  q_proj/k_proj/v_proj too, which stay plain (and frozen, as every base weight under LoRA)."""
+    z_t = W h_t / T,    log p_t(y) = z_t[y] - logsumexp(z_t),    H_t = -sum_v p_t(v) log p_t(v)
+
+The head is run chunk by chunk over the flattened positions: the model's own head module is
+called per chunk (so LoRA, FSDP2's gathered weights and a tied embedding are whatever the model
+holds), and in a forward that records gradients each chunk is checkpointed
+(`torch.utils.checkpoint`): its logits are freed after the forward and recomputed in its own
+backward, one chunk at a time. The [positions, vocab] buffers of a step are then
+O(chunk x vocab) instead of O(rows x width x vocab): the chunked-logprob method of Liger
+Kernel's fused linear losses and prime-rl, here with autograd's exact gradient. A micro-batch
+of at most `logits_chunk_tokens` positions is one chunk, computed as it always was (no
+recomputation). The head is reached by calling the model with its output module's `forward`
+replaced for that one call: the model returns [rows, width, 2] (logprob, entropy) in place of
+its logits, which only this module sees.
+
+A `Policy` owns that forward for the model, its frozen reference (its own copy, or with LoRA
+the model with its adapters off), an MoE's routing replay and load-balancing loss
+(routing_replay.py), and mixed precision in one process (torch.autocast): the update gets a
+`PolicyOutput` and never reaches into any of them."""
 
 from __future__ import annotations
 
-import copy
-import logging
-import re
+import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from torch.utils.checkpoint import checkpoint
 
-from rlexp.models.local import resolve_dtype
-from rlexp.trainer import distributed
-from rlexp.trainer.lora import PREFIX, add_adapters, check_spec, is_adapter, merged_weights
-
-log = logging.getLogger(__name__)
-VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower")  # transformers'
+from rlexp.trainer.batch import MicroBatch, TrainBatch
+from rlexp.trainer.lora import adapters_off
+from rlexp.trainer.routing_replay import MoERouting
 
 
-def build_policy(model_path: str, dtype: str, gradient_checkpointing: bool, mixed_precision: str,
-                 lora: dict | None, device: torch.device, keep_ref: bool, freeze_vision: bool = False):
-    """(model, its frozen reference or None, LoRA's scaling or None for full fine-tuning, the
-    name prefixes of the tensors never published: the frozen vision encoder's, or none).
-    With LoRA the reference is the model with its adapters off: no copy is kept."""
-    vision = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")  # a vision-language model
-    if freeze_vision and not vision:
-        raise ValueError(f"trainer.freeze_vision=true needs a vision-language model (a config with a "
-                         f"vision_config); {model_path} is a text model")
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model: Any = auto.from_pretrained(model_path, dtype=getattr(torch, resolve_dtype(dtype)))
-    if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-    spec |= dict(lora or {})
-    check_spec(spec["rank"], spec["alpha"], spec["target_modules"])
-    unsynced: tuple[str, ...] = ()
-    if freeze_vision:
-        encoder = vision_encoder(model)
-        model.get_submodule(encoder).requires_grad_(False)
-        unsynced = (f"{encoder}.",)
-    scaling = spec["alpha"] / spec["rank"] if spec["rank"] else None
-    if scaling:
-        targets = language_targets(model, spec["target_modules"]) if vision else spec["target_modules"]
-        model = add_adapters(model, spec["rank"], spec["alpha"], targets)
-    model.to(device).train()
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if keep_ref and not scaling else None
-    if distributed.sharded():
-        for m in (model, ref):
-            if m is not None:
-                distributed.shard(m, None if mixed_precision == "none" else mixed_precision)
-    rank, world = distributed.rank_world()
-    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("trainer: rank %d of %d, %s, %d of %d parameters trained%s%s", rank, world, device, n_trained,
-             sum(p.numel() for p in model.parameters()), f" (LoRA rank {spec['rank']})" if scaling else "",
-             f", {unsynced[0][:-1]} frozen" if unsynced else "")
-    return model, ref, scaling, unsynced
+@dataclass(frozen=True)
+class PolicyOutput:
+    """One micro-batch's forward, [n, width - 1] per token."""
+
+    logprobs: torch.Tensor  # of the predicted tokens
+    entropy: torch.Tensor | None  # of each position's distribution (None: not asked)
+    aux: torch.Tensor | None  # MoE, with gradients: the load-balancing loss (routing_replay.py; None: off)
+    aux_coef: float  # its weight in the loss (trainer.router_aux_loss_coef)
+    routing_differs: torch.Tensor | None  # MoE with the engine's routing: share of layers that differ
+
+    def aux_term(self, share: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
+        """coef x the aux loss weighted by `share` (its micro-batch's part of the minibatch's
+        trained tokens, so the minibatch's terms sum to a token-weighted mean), and that
+        mean's part to log as `router_aux_loss` (None: no aux loss)."""
+        if self.aux is None:
+            return 0.0, None
+        part = self.aux * share
+        return self.aux_coef * part, part.detach()
 
 
-def policy_weights(model: torch.nn.Module, scaling: float | None,
-                   skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's full tensors one at a time by the base model's names (when sharded, each
-    is gathered as it is reached: every rank must iterate); with LoRA, the adapted weights
-    merged. Names starting with one of `skip` are left out (not gathered either)."""
-    named = ((name, distributed.full_tensor(t)) for name, t in model.state_dict().items()
-             if not name.removeprefix(PREFIX).startswith(skip))
-    yield from merged_weights(named, scaling) if scaling else named
+class Policy:
+    """Logprobs (and entropies) of the predicted tokens of a batch's rows, as the engine
+    sampled them. `unsampled`: a VLM's image placeholders, masked as the engine masks them;
+    `entropy_in_loss`: else the entropy is only logged (no gradient); `autocast`: "bfloat16"
+    computes under torch.autocast (fp32 master weights)."""
+
+    def __init__(self, model: torch.nn.Module, reference: torch.nn.Module | None, lora: bool,
+                 temperature: float, unsampled: list[int], moe: MoERouting | None, device: torch.device,
+                 entropy_in_loss: bool, logits_chunk_tokens: int, autocast: str):
+        self.model = model
+        self.reference = Reference(self, reference, lora)
+        self.temperature = temperature
+        self.unsampled = unsampled
+        self.moe = moe  # an MoE's routing replay and aux loss (None: a dense model)
+        self.device = device
+        self.entropy_in_loss = entropy_in_loss
+        self.chunk = logits_chunk_tokens
+        self.autocast = autocast
+
+    @property
+    def router_layers(self) -> int:
+        """An MoE's layers with a router (0: a dense model)."""
+        return self.moe.n_layers if self.moe else 0
+
+    @property
+    def aux_loss_coef(self) -> float:
+        """> 0: every forward with gradients adds an MoE's load-balancing loss."""
+        return self.moe.aux_coef if self.moe else 0.0
+
+    def __call__(self, batch: TrainBatch, micro: MicroBatch, entropy: bool = True) -> PolicyOutput:
+        """The policy's forward of `micro`'s rows (with gradients where they are enabled)."""
+        return self.forward(self.model, batch, micro, entropy)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, L-1] logprobs of the predicted tokens of this rank's rows (0 elsewhere)."""
+        return self.scores(self.model, batch)
+
+    def scores(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+        out = torch.zeros(batch.loss_mask.shape, device=self.device)
+        for micro in batch.micro_batches:
+            logp = self.forward(model, batch, micro, entropy=False).logprobs
+            if micro.real:
+                out[micro.rows.to(self.device), micro.columns] = logp
+        return out
+
+    def forward(self, model: torch.nn.Module, batch: TrainBatch, micro: MicroBatch,
+                entropy: bool) -> PolicyOutput:
+        rows, width = micro.rows, micro.width
+        inputs = {"input_ids": batch.input_ids[rows, :width].to(self.device)}
+        if batch.images is not None:
+            inputs |= batch.images.inputs(rows, self.device)
+        routed = batch.routed[rows, :width].to(self.device) if batch.routed is not None else None
+        predicting = torch.arange(width)[None] < torch.tensor(batch.lengths)[rows, None] - 1
+        targets = torch.cat([inputs["input_ids"][:, 1:], torch.zeros_like(inputs["input_ids"][:, :1])], 1)
+        head = _output_module(model)
+        score = partial(self._score, head, targets.flatten(), entropy)
+        with self._precision(), _head_replaced(head, score):
+            if self.moe is None:
+                out = model(**inputs, use_cache=False).logits
+            else:
+                out = self.moe.forward(model, inputs, routed, predicting.to(self.device)).logits
+        out = out[:, :-1].float()
+        aux, differs = (self.moe.aux, self.moe.differs) if self.moe else (None, None)
+        return PolicyOutput(out[..., 0], out[..., 1] if entropy else None, aux, self.aux_loss_coef, differs)
+
+    def _score(self, head: torch.nn.Module, targets: torch.Tensor, entropy: bool,
+               hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, width, 2]: each position's (logprob of its target, entropy or 0), from the
+        hidden states [rows, width, hidden] in chunks of `self.chunk` positions."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        chunk = partial(self._chunk, head, entropy)
+        if len(flat) <= self.chunk:
+            out = chunk(flat, targets)
+        else:
+            pieces = zip(flat.split(self.chunk), targets.split(self.chunk))
+            if torch.is_grad_enabled():
+                out = torch.cat([checkpoint(chunk, h, t, use_reentrant=False) for h, t in pieces])
+            else:
+                out = torch.cat([chunk(h, t) for h, t in pieces])
+        return out.reshape(*hidden.shape[:-1], 2)
+
+    def _chunk(self, head: torch.nn.Module, entropy: bool, hidden: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+        """[n, 2] (logprob, entropy) of `n` positions: the only place logits exist."""
+        logits = type(head).forward(head, hidden).float() / self.temperature
+        logits[..., self.unsampled] = torch.finfo(logits.dtype).min  # as the engine masks them
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, targets[:, None])[:, 0]
+        if not entropy:
+            return torch.stack([logp, torch.zeros_like(logp)], -1)
+        src = logp_all if self.entropy_in_loss else logp_all.detach()
+        return torch.stack([logp, -(src.exp() * src).sum(-1)], -1)
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        if self.autocast == "none":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.autocast))
 
 
-def check_sharded_images(pixels: list | None, world: int) -> None:
-    """FSDP2 gathers the vision encoder's shards only in a forward that runs it, and a model of
-    the Idefics3 kind runs it only for a micro-batch with an image: ranks whose micro-batches
-    differ there pair up the wrong collectives (gloo fails "collective mismatch", NCCL would
-    hang). Until image-less rows get a dummy image (verl feeds one and adds 0 x its features),
-    a sharded vision-language model trains batches whose rows all have images, or none does."""
-    if world > 1 and pixels and any(pixels) and not all(pixels):
-        raise ValueError(f"a vision-language model sharded over {world} ranks needs an image in every "
-                         f"trained row or in none: {sum(not p for p in pixels)} of {len(pixels)} have none")
+class Reference:
+    """The frozen reference policy: its own copy, or with LoRA the policy's model with its
+    adapters off (no copy kept). None of either: the algorithm needs no reference."""
+
+    def __init__(self, policy: Policy, model: torch.nn.Module | None, lora: bool):
+        self.policy, self.model, self.lora = policy, model, lora
+
+    def __bool__(self) -> bool:
+        return self.lora or self.model is not None
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[N, L-1] the reference's logprobs of this rank's rows (0 elsewhere)."""
+        with self.frozen() as model:
+            return self.policy.scores(model, batch)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[torch.nn.Module]:
+        if self.lora:
+            with adapters_off(self.policy.model), torch.no_grad():
+                yield self.policy.model
+        else:
+            assert self.model is not None, "no reference kept (trainer.kl.coef=0, ref_kl_every_n_steps=0)"
+            yield self.model
 
 
-def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """LoRA's trained tensors, full (gathered when sharded: every rank must iterate)."""
-    return ((n, distributed.full_tensor(t)) for n, t in model.state_dict().items() if is_adapter(n))
+def _output_module(model: Any) -> torch.nn.Module:
+    """The module that turns hidden states into the vocabulary's logits (transformers'
+    `get_output_embeddings`: `lm_head`, tied or not)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(model).__name__} has no output embeddings (lm_head) to score with")
+    return head
 
 
-def _name_of(model: torch.nn.Module, module: Any) -> str:
-    """`module`'s qualified name in `model` ("" for the model itself or a stranger)."""
-    return next((name for name, m in model.named_modules() if m is module), "")
-
-
-def vision_encoder(model: Any) -> str:
-    """The qualified name of a vision-language model's vision encoder (transformers'
-    `get_encoder(modality="image")`, which looks on the model and on its base model)."""
-    name = _name_of(model, model.get_encoder(modality="image")) if hasattr(model, "get_encoder") else ""
-    if not name:
-        raise ValueError(f"trainer.freeze_vision: {type(model).__name__} has no vision encoder under a "
-                         f"name transformers knows ({', '.join(VISION_NAMES)})")
-    return name
-
-
-def language_targets(model: Any, names: list[str]) -> str:
-    """peft's `target_modules` for a vision-language model: the modules called one of `names`
-    inside its language model only (transformers' `get_decoder()`), as a regex peft fullmatches
-    against each module's qualified name."""
-    decoder = _name_of(model, model.get_decoder()) if hasattr(model, "get_decoder") else ""
-    if not decoder:
-        raise ValueError(f"trainer.lora: found no language model in {type(model).__name__} "
-                         "(transformers' get_decoder()) to put the adapters on")
-    return rf"{re.escape(decoder)}\.(.*\.)?({'|'.join(map(re.escape, names))})"
+@contextlib.contextmanager
+def _head_replaced(head: torch.nn.Module, score) -> Iterator[None]:
+    """The model's output module computes `score(hidden)` for the calls inside the block: the
+    module itself, its parameters and its hooks stay in place."""
+    head.forward = score
+    try:
+        yield
+    finally:
+        del head.forward

@@ -135,7 +135,9 @@ class MoERouting:
     Its router hooks stay on the model: a checkpointed layer (`gradient_checkpointing`)
     re-runs its forward, routers included, inside `backward`, and that recomputation must
     route as the forward did. The hooks apply the routing of the latest `forward` call until
-    `release` (called after its backward; at once for a forward without gradients)."""
+    the model is next called: by `forward` again (its new routing), or by anyone else (a
+    forward pre-hook on the model frees the routing: that call routes freely). A forward
+    without gradients frees it at once."""
 
     def __init__(self, model: torch.nn.Module, routing_replay: str, router_aux_loss_coef: float):
         self.n_layers = len(routers(model))
@@ -146,6 +148,7 @@ class MoERouting:
         self.differs: torch.Tensor | None = None  # the last forward's, [rows, positions - 1]
         self.aux: torch.Tensor | None = None  # the last training forward's L_aux
         self._current: Routing | None = None
+        self._calling = False  # `forward` is calling the model (its pre-hook keeps the routing)
         self._hooked: set[int] = set()
 
     def forward(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor], routed: torch.Tensor | None,
@@ -162,10 +165,12 @@ class MoERouting:
         if id(model) not in self._hooked:  # the policy and, without LoRA, the reference copy
             _check_layers(model, routed)
             _hook_routers(model, lambda: self._current)
+            model.register_forward_pre_hook(self._model_called)
             self._hooked.add(id(model))
         wants_aux = bool(self.aux_coef) and torch.is_grad_enabled()
         now = self._current = Routing(routed, self.replay, [] if routed is not None else None,
                                       [] if wants_aux else None)
+        self._calling = True
         out = model(**inputs, use_cache=False)
         n = self.n_layers  # a recomputing (checkpointed) backward appends to the lists again
         self.differs = (torch.stack(now.differs[:n], -1).reshape(*ids.shape, n)[:, :-1].float().mean(-1)
@@ -174,18 +179,11 @@ class MoERouting:
         self.aux = (load_balancing_loss([z for z, _ in seen], [e for _, e in seen], real.flatten())
                     if seen else None)
         if not torch.is_grad_enabled():
-            self.release()
+            self._current = None
         return out
 
-    def release(self) -> None:
-        """The last forward's backward is done: the hooks route nothing until the next."""
-        self._current = None
-
-    def loss_term(self, share: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
-        """The last forward's coef * L_aux weighted by `share` (its micro-batch's part of the
-        minibatch's trained tokens, so the minibatch's terms sum to a token-weighted mean), and
-        that mean's part to log as `router_aux_loss` (None: no aux loss)."""
-        if self.aux is None:
-            return 0.0, None
-        part = self.aux * share
-        return self.aux_coef * part, part.detach()
+    def _model_called(self, module: torch.nn.Module, args) -> None:
+        """The model's forward pre-hook: a call that is not `forward`'s routes freely."""
+        if not self._calling:
+            self._current = None
+        self._calling = False

@@ -76,12 +76,12 @@ class SyncCheck:
         self.dtypes = sorted({resolve_dtype(engine_dtype), resolve_dtype(trainer_dtype)})
         self.diffs: list[torch.Tensor] = []
 
-    def add(self, logp: torch.Tensor, engine_logp: torch.Tensor, staleness: torch.Tensor,
+    def add(self, logp: torch.Tensor, rollout_logp: torch.Tensor, staleness: torch.Tensor,
             mask: torch.Tensor) -> None:
         """The trained tokens of one forward ([n, T] each, on the device) that were generated at
         the current version. Kept dense (no boolean indexing): nothing waits for the device."""
         current = (mask.bool() & (staleness == 0)).flatten()
-        diff = (logp.detach().float() - engine_logp.float()).abs().flatten()
+        diff = (logp.detach().float() - rollout_logp.float()).abs().flatten()
         self.diffs.append(torch.where(current, diff, -1.0))  # -1: not counted (a |diff| is >= 0)
 
     def finish(self, version: int) -> dict[str, float]:

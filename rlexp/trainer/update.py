@@ -1,210 +1,217 @@
-"""One update of the policy, top to bottom: what the TrainController's `train` call runs.
+"""One update of the policy, top to bottom. `fit` is the whole pipeline; each stage is a
+function from records to records, and a loop of your own can call them one by one:
 
-    for each minibatch (its rows over all ranks give the aggregation's totals):
-        for each of this rank's micro-batches:
-            logp, entropy = PolicyForward(policy, micro-batch)          # policy_forward.py
-            loss, terms = objective.token_loss(TokenInputs(...))         # rlexp/algorithms/objective.py
-            objective.aggregate(loss, mask, totals).backward()           # its share of the minibatch loss
-        clip the gradient norm; optimizer.step()  (skipped when nothing carries signal)
-        the critic's own step on the same micro-batches (advantage=gae)
-    metrics: one host transfer at the end (StepMetrics, rlexp/trainer/fit_metrics.py)
+    batch   = TrainBatch.build(trained(samples), version, layout)  # the trained rows, frozen (batch.py)
+    old     = old_logprobs(learner, batch)          # the rollout's, or the policy's before the update
+    ref     = ref_logprobs(learner, batch)          # the reference's, when the loss or train/kl needs it
+    values  = critic_values(learner, batch)         # the critic's (advantage=gae)
+    signals = advantages(learner, batch, old, ref, values)
+    for minibatch in batch.minibatches:
+        forward_backward(learner, batch, minibatch, signals)  # per micro-batch: forward, loss, backward
+        optimizer_step(learner)                     # clip the gradient norm, step
+        critic.train_minibatch(...)                 # the critic's own step (advantage=gae)
 
-What one fit carries from one low-level call to the next is a `FitBatch` (below): the
-controller's `prepare` makes it, `compute_old_logprobs` .. `compute_advantages` fill it, and
-`Update.run` reads it. Its tensors are this rank's, [rows, L-1] on the trainer's device, rows
-in `tokens` order, 0 outside the rows this rank trains."""
+The formulas are one click away: the per-token loss and its aggregation in
+rlexp/algorithms/objective.py, the advantages in rlexp/algorithms/advantages.py (gae.py), the
+policy's forward (temperature, chunked head, MoE routing) in policy.py. What a fit measures
+is `FitObserver`'s (fit_metrics.py), fed the values the stages return; the weight-sync check
+may stop the run in its `before_step`, before an optimizer step moves a weight.
+
+Every rank calls `fit` with the whole batch (distributed: rlexp/trainer/distributed.py). Each
+rank forwards its token-balanced share of each minibatch's rows; the aggregation divides by
+totals counted over the whole minibatch (all ranks) and gradients are summed over ranks, so
+the update equals one worker's on the same batch. Per-token tensors are [rows, L-1] on the
+trainer's device, 0 outside this rank's rows; the advantages' inputs are gathered first."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 
-from rlexp.algorithms.aggregation import Totals
-from rlexp.algorithms.kl import kl_estimate
+from rlexp.algorithms.advantages import AdvantageInputs
 from rlexp.algorithms.objective import Objective
 from rlexp.algorithms.policy_losses import TokenInputs
 from rlexp.sample import Sample
 from rlexp.trainer import distributed
-from rlexp.trainer.critic import Critic, critic_report
-from rlexp.trainer.fit_metrics import MetricSums, StepMetrics
-from rlexp.trainer.policy_forward import PolicyForward
+from rlexp.trainer.batch import Layout, Minibatch, TrainBatch, trained
+from rlexp.trainer.critic import Critic
+from rlexp.trainer.fit_metrics import FitObserver, Laps
+from rlexp.trainer.metric_sums import MetricSums
+from rlexp.trainer.policy import Policy
 from rlexp.trainer.sync_check import SyncCheck
-from rlexp.trainer.token_batch import MicroBatch, TokenBatch
 
 
 @dataclass(frozen=True)
-class Minibatch:
-    """The rows of one optimizer step, dealt to the ranks in micro-batches."""
+class Learner:
+    """What an update works with. The TrainController builds it and keeps its lifecycle
+    (weights, checkpoints)."""
 
-    rows: list[int]  # every rank's rows: the aggregation's totals count them all
-    mine: list[MicroBatch]  # this rank's micro-batches, fillers included (ranks run equally many)
-    everyone: list[MicroBatch]  # every rank's real micro-batches (for train/pad_frac)
+    policy: Policy
+    objective: Objective
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR  # one step per fit
+    sync_check: SyncCheck
+    critic: Critic | None  # advantage=gae's value model
+    layout: Layout
+    recompute: bool  # the ratio is taken against the policy's own logprobs before the update
+    ref_kl_every_n_steps: int  # with kl.coef=0, log train/kl every n fits (0: never)
+    max_grad_norm: float
 
-    def totals(self, tb: TokenBatch) -> Totals:
-        mask = tb.loss_mask[self.rows]
-        return Totals(tokens=float(mask.sum()), seqs=float((mask.sum(-1) > 0).sum()))
-
-
-@dataclass
-class FitBatch:
-    samples: list[Sample]  # the batch as produced, failed samples included
-    version: int  # the policy being trained
-    trained: list[int]  # indexes into `samples` of the trained rows (completed, with a response)
-    tokens: TokenBatch | None = None  # the trained samples; None when there are none
-    minibatches: list[Minibatch] = field(default_factory=list)
-    my_micro_batches: list[MicroBatch] = field(default_factory=list)  # this rank's, over all its rows
-    behav: torch.Tensor | None = None  # the rollout's logprobs, on the trainer's device
-    old: torch.Tensor | None = None  # the logprobs the ratio is taken against
-    ref: torch.Tensor | None = None  # the reference policy's (None: not needed this step)
-    values: torch.Tensor | None = None  # the critic's, every rank's rows (None: no critic)
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None  # the critic's targets (None: no critic)
-    sync_measured: bool = False  # a forward before the update gave the sync check its tokens
-
-    def require(self, *fields: str, call: str) -> None:
-        """A clear error when a low-level call comes before the ones it needs."""
-        order = {"old": "compute_old_logprobs", "ref": "compute_ref_logprobs", "values": "compute_values",
-                 "advantages": "compute_advantages"}
-        missing = [order[f] for f in fields if getattr(self, f) is None]
-        if missing and self.tokens is not None:
-            raise RuntimeError(f"TrainController.{call} needs {', '.join(missing)} to have run on this "
-                               "FitBatch first (order: prepare, compute_old_logprobs, compute_ref_logprobs, "
-                               "compute_values, compute_advantages, train)")
+    @property
+    def fits_done(self) -> int:
+        return self.lr_scheduler.last_epoch  # restored with the schedule by a checkpoint
 
 
-def plan_minibatches(tb: TokenBatch, minibatches: int, rank: int, world: int,
-                     max_tokens: int) -> tuple[list[Minibatch], list[MicroBatch]]:
-    """The rows cut into `minibatches` (strided), each dealt to the ranks token-balanced and
-    cut into micro-batches; and this rank's micro-batches over all its rows (the forwards
-    before the update run over them)."""
-    n = min(minibatches, len(tb))
-    shares = [distributed.balanced_split(list(range(m, len(tb), n)), tb.lengths, world) for m in range(n)]
-    planned = [Minibatch(sum(share, []), *_deal(tb, share, rank, max_tokens)) for share in shares]
-    rows_of_rank = [sorted(i for share in shares for i in share[r]) for r in range(world)]
-    return planned, _deal(tb, rows_of_rank, rank, max_tokens)[0]
+@dataclass(frozen=True)
+class Signals:
+    """The loss's per-token inputs besides the policy's own forward, [rows, L-1] on the device."""
+
+    old: torch.Tensor  # the logprobs the ratio is taken against
+    ref: torch.Tensor | None  # the reference policy's (None: not needed this fit)
+    advantages: torch.Tensor
+    values: torch.Tensor | None  # the critic's before the update, every rank's rows (None: no critic)
+    returns: torch.Tensor | None  # the critic's targets
 
 
-def _deal(tb: TokenBatch, shares: list[list[int]], rank: int,
-          max_tokens: int) -> tuple[list[MicroBatch], list[MicroBatch]]:
-    """This rank's micro-batches of its share, padded with fillers to as many as the busiest
-    rank has, and every rank's real ones."""
-    per_rank = [tb.micro_batches(share, max_tokens) for share in shares]
-    mine = list(per_rank[rank])
-    filler = MicroBatch(torch.tensor([0]), 2, real=False)  # a masked-out 2-token row: collectives only
-    mine += [filler] * (max(map(len, per_rank)) - len(mine))
-    return mine, [mb for r in per_rank for mb in r]
+def fit(learner: Learner, samples: list[Sample], version: int) -> dict[str, float]:
+    """One RL step's update of policy `version` on `samples` (failed ones included: they are
+    no row); its metrics, with each stage's seconds as `timing/fit/<stage>_s`."""
+    laps = Laps()
+    distributed.reset_peak_memory(learner.policy.device)
+    rows = trained(samples)
+    if not rows:  # nothing completed: no update, the lr schedule still steps
+        return end_of_fit(learner, {"train/skipped_step": 1.0, "train/advantage_abs_mean": 0.0})
+    batch = TrainBatch.build(rows, version, learner.layout, produced=len(samples))
+    watch = FitObserver(batch, learner.sync_check)
+    laps("prepare")
+    old = old_logprobs(learner, batch)
+    if learner.recompute:  # the fit's first forward measures the last weight sync
+        watch.scored(old)
+    laps("old_logprobs")
+    ref = ref_logprobs(learner, batch)
+    laps("ref_logprobs")
+    values = critic_values(learner, batch)
+    laps("values")
+    signals = advantages(learner, batch, old, ref, values)
+    laps("advantages")
+    skip = no_signal(learner, batch, signals) or critic_warming_up(learner)
+    for minibatch in batch.minibatches:
+        forward_backward(learner, batch, minibatch, signals, watch)
+        watch.before_step()  # may raise SyncMismatch: no weight has moved yet
+        grad_norm = optimizer_step(learner, skip)
+        watch.minibatch_done(grad_norm, critic_step(learner, batch, minibatch, signals))
+    metrics = end_of_fit(learner, watch.report(signals.advantages, signals.values, signals.returns, skip))
+    laps("train")
+    return metrics | laps.seconds
 
 
-@dataclass
-class MicroBatchLoss:
-    """What one micro-batch's forward/backward leaves to log."""
+@torch.no_grad()
+def old_logprobs(learner: Learner, batch: TrainBatch) -> torch.Tensor:
+    """The logprobs the ratio is taken against: the rollout's, or with `old_logprobs=recompute`
+    (or an objective that needs them) the policy's before the update (a forward)."""
+    if learner.recompute:
+        return learner.policy.logprobs(batch)
+    return batch.rollout_logprobs.to(learner.policy.device)
 
-    terms: dict[str, torch.Tensor]  # the loss's per-token [n, T] or per-sequence [n] quantities
-    mask: torch.Tensor  # [n, T] its trained tokens (zeros for a filler)
-    logp: torch.Tensor  # [n, T] the trainer's logprobs, detached
-    router_aux: torch.Tensor | None  # MoE: its share of the minibatch's router aux loss
+
+def ref_logprobs(learner: Learner, batch: TrainBatch) -> torch.Tensor | None:
+    """The reference policy's logprobs (a forward as costly as the policy's), only when the
+    loss uses them or this fit logs `train/kl` (every `ref_kl_every_n_steps`); else None."""
+    every = learner.ref_kl_every_n_steps
+    logs_kl = every > 0 and (learner.fits_done + 1) % every == 0
+    if not learner.policy.reference or not (learner.objective.kl.coef > 0 or logs_kl):
+        return None
+    return learner.policy.reference.logprobs(batch)
 
 
-class Update:
-    """The optimizer steps of one fit over a FitBatch whose advantages are computed."""
+def critic_values(learner: Learner, batch: TrainBatch) -> torch.Tensor | None:
+    """The critic's values before the update, every rank's rows gathered (GAE runs over the
+    whole batch); None without a critic."""
+    if learner.critic is None:
+        return None
+    return distributed.all_reduce_(learner.critic.values(batch), "sum")
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, objective: Objective,
-                 forward: PolicyForward, max_grad_norm: float, critic: Critic | None, sync_check: SyncCheck):
-        self.model = model
-        self.optimizer = optimizer
-        self.objective = objective
-        self.forward = forward
-        self.max_grad_norm = max_grad_norm
-        self.critic = critic
-        self.sync_check = sync_check
-        self.moe = forward.moe
-        self.device = forward.device
 
-    def run(self, fb: FitBatch, critic_only: bool) -> dict[str, float]:
-        """One optimizer step per minibatch (none when nothing carries signal, or `critic_only`:
-        the critic's warm-up steps); the fit's metrics."""
-        tb, adv = fb.tokens, fb.advantages
-        assert tb is not None and adv is not None
-        skip = self._no_signal(tb, adv) or critic_only
-        levels = sorted(set(tb.staleness[tb.loss_mask.bool()].tolist()))  # read on the host: no sync
-        step = StepMetrics()
-        sync: dict[str, float] = {}
-        for m, minibatch in enumerate(fb.minibatches):
-            sync |= self._minibatch(fb, minibatch, step, levels, first=m == 0, skip=skip)
-        n_mb = len(fb.minibatches)
-        out = step.report(n_mb, levels)
-        out["train/response_tokens"] = float(tb.loss_mask.sum()) / n_mb
-        out["train/pad_frac"] = tb.pad_frac([mb for minibatch in fb.minibatches for mb in minibatch.everyone])
-        out["train/skipped_step"] = float(skip)
-        out |= sync
-        mask = tb.loss_mask.to(self.device)
-        if self.critic and fb.values is not None and fb.returns is not None:
-            out |= critic_report(fb.values, fb.returns, mask)
-        per_sample = (adv.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        out["train/advantage_abs_mean"] = per_sample.sum().item() / len(fb.samples)
-        return out
+def advantages(learner: Learner, batch: TrainBatch, old: torch.Tensor, ref: torch.Tensor | None,
+               values: torch.Tensor | None) -> Signals:
+    """Per-token advantages (and a critic's targets) from the rows' rewards and groups, with
+    the KL penalty in the reward (`kl.where=reward`: old vs reference logprobs, every rank's
+    rows gathered) and the critic's values where the algorithm has them."""
+    objective, device = learner.objective, learner.policy.device
+    token_rewards = None
+    if objective.kl.in_reward:
+        assert ref is not None, "kl.where=reward needs the reference's logprobs (ref_logprobs)"
+        old_all = distributed.all_reduce_(old.clone(), "sum") if learner.recompute else old
+        ref_all = distributed.all_reduce_(ref.clone(), "sum")
+        token_rewards = objective.kl.token_rewards(old_all, ref_all, batch.loss_mask.to(device)).cpu()
+    x = AdvantageInputs(batch.rewards, batch.groups, completed=torch.ones(len(batch), dtype=torch.bool),
+                        mask=batch.loss_mask, token_rewards=token_rewards,
+                        values=values.cpu() if values is not None else None)
+    adv, returns = objective.advantages(x)
+    return Signals(old, ref, adv.to(device), values, returns.to(device) if returns is not None else None)
 
-    def _no_signal(self, tb: TokenBatch, adv: torch.Tensor) -> bool:
-        """No advantage and no KL, entropy or aux term: the gradient is zero. An optimizer step
-        would still move the weights on Adam's momentum, so it is skipped (the forwards still
-        run and log)."""
-        return bool(not (adv * tb.loss_mask.to(self.device)).abs().sum() and not self.objective.kl.in_loss
-                    and not self.objective.entropy_coef and not self.moe.aux_coef)
 
-    def _minibatch(self, fb: FitBatch, minibatch: Minibatch, step: StepMetrics, levels: list[int],
-                   first: bool, skip: bool) -> dict[str, float]:
-        """Forward/backward of this rank's micro-batches, one optimizer step (unless `skip`), the
-        critic's step; their metrics into `step`. The first minibatch also measures the
-        trainer against the rollout (before any optimizer step the trainer holds its policy) and
-        checks the last sync (on these forwards unless one before the update measured it): its
-        figures, or SyncMismatch before the optimizer step."""
-        assert fb.tokens is not None and fb.behav is not None
-        totals = minibatch.totals(fb.tokens)
-        part = MetricSums()
-        for micro in minibatch.mine:
-            out = self._micro_batch(fb, micro, totals, first)
-            if out.router_aux is not None:
-                part.add("router_aux_loss", out.router_aux)
-            step.add_maxima(out.terms, out.mask)
-            if first:
-                rows, cols = micro.rows.to(self.device), micro.columns
-                staleness = fb.tokens.staleness[micro.rows, cols].to(self.device)
-                part.add_offpolicy(out.logp, fb.behav[rows, cols], staleness, out.mask, levels)
-                if not fb.sync_measured:
-                    comparable = out.mask * fb.tokens.model_sampled[micro.rows, cols].to(self.device)
-                    self.sync_check.add(out.logp, fb.behav[rows, cols], staleness, comparable)
-            part.add_terms(out.terms, out.mask, totals)
-        # One host read, here rather than right after the forward that measured: a GPU keeps
-        # the CPU's work in between overlapped (measured 1.33x a bf16 fit when read earlier).
-        sync = self.sync_check.finish(fb.version) if first else {}  # SyncMismatch: no optimizer step
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        if not skip:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        step.add_grad_norm(distributed.full_tensor(grad_norm))  # the same on every rank
-        if self.critic and fb.values is not None and fb.returns is not None:
-            critic_sums = self.critic.train_minibatch(fb.tokens, minibatch.mine, totals, fb.values,
-                                                      fb.returns, self.objective.aggregation)
-            part.merge(critic_sums, prefix="critic/")
-        step.sums.merge(part)
-        return sync
+def forward_backward(learner: Learner, batch: TrainBatch, minibatch: Minibatch, signals: Signals,
+                     watch: FitObserver | None = None) -> None:
+    """Each of this rank's micro-batches of `minibatch`: the policy's forward, the objective's
+    per-token loss, its share of the minibatch's loss, backward. The gradients add up to the
+    minibatch's until `optimizer_step`."""
+    objective, device, totals = learner.objective, learner.policy.device, minibatch.totals
+    for micro in minibatch.micro_batches:
+        out = learner.policy(batch, micro)
+        mask = micro.take(batch.loss_mask).to(device) if micro.real else torch.zeros_like(out.logprobs)
+        x = TokenInputs(out.logprobs, micro.take(signals.old), micro.take(batch.rollout_logprobs).to(device),
+                        micro.take(signals.advantages), mask)
+        ref = micro.take(signals.ref) if signals.ref is not None else None
+        loss, terms = objective.token_loss(x, out.entropy, ref)
+        aux, aux_logged = out.aux_term(mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
+        (objective.aggregate(loss, mask, totals) + aux).backward()
+        if watch is not None:
+            watch.micro_batch(micro, out, x, terms, totals, aux_logged)
 
-    def _micro_batch(self, fb: FitBatch, micro: MicroBatch, totals: Totals, first: bool) -> MicroBatchLoss:
-        """Forward, the objective's per-token loss, its share of the minibatch loss, backward."""
-        assert fb.tokens is not None and fb.old is not None and fb.behav is not None
-        assert fb.advantages is not None
-        rows, cols = micro.rows.to(self.device), micro.columns
-        logp, entropy = self.forward(self.model, fb.tokens, micro, entropy=True)
-        mask = fb.tokens.loss_mask[micro.rows, cols].to(self.device) if micro.real else torch.zeros_like(logp)
-        x = TokenInputs(logp, fb.old[rows, cols], fb.behav[rows, cols], fb.advantages[rows, cols], mask)
-        ref_logp = fb.ref[rows, cols] if fb.ref is not None else None
-        loss, terms = self.objective.token_loss(x, entropy, ref_logp)
-        aux, aux_logged = self.moe.loss_term(mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
-        (self.objective.aggregate(loss, mask, totals) + aux).backward()
-        self.moe.release()  # its routers' recomputation (checkpointing) is done
-        if first:  # before the first optimizer step: the trainer/engine numerical mismatch
-            terms["mismatch_kl"] = kl_estimate(logp, x.behav_logp, "k3")  # trainer vs engine
-            if (differs := self.moe.differs) is not None:
-                terms["routing_mismatch_frac"] = differs
-        return MicroBatchLoss(terms, mask, logp.detach(), aux_logged)
+
+def optimizer_step(learner: Learner, skip: bool = False) -> torch.Tensor:
+    """Clip the gradient norm, step (unless `skip`), zero the gradients; the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.policy.model.parameters(), learner.max_grad_norm)
+    if not skip:
+        learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def critic_step(learner: Learner, batch: TrainBatch, minibatch: Minibatch,
+                signals: Signals) -> MetricSums | None:
+    """The critic's optimizer step on the minibatch's rows toward the returns (None: no critic)."""
+    if learner.critic is None or signals.values is None or signals.returns is None:
+        return None
+    return learner.critic.train_minibatch(batch, minibatch, signals.values, signals.returns,
+                                          learner.objective.aggregation)
+
+
+def no_signal(learner: Learner, batch: TrainBatch, signals: Signals) -> bool:
+    """No advantage and no KL, entropy or aux term: the gradient is zero. An optimizer step
+    would still move the weights on Adam's momentum, so it is skipped (the forwards still run
+    and log)."""
+    o, mask = learner.objective, batch.loss_mask.to(signals.advantages.device)
+    return bool(not (signals.advantages * mask).abs().sum() and not o.kl.in_loss and not o.entropy_coef
+                and not learner.policy.aux_loss_coef)
+
+
+def critic_warming_up(learner: Learner) -> bool:
+    """The critic's first `critic_only_steps` fits train it alone: the policy takes no step."""
+    return learner.critic is not None and learner.fits_done < learner.critic.critic_only_steps
+
+
+def end_of_fit(learner: Learner, metrics: dict[str, float]) -> dict[str, float]:
+    """The lr schedules' step (one per fit, also when a no-signal fit skipped its update:
+    PyTorch's warning about that order does not apply) and the fit's lr and peak memory."""
+    metrics["train/lr"] = learner.optimizer.param_groups[0]["lr"]
+    if learner.critic:
+        metrics["critic/lr"] = learner.critic.step_lr()
+    metrics[f"memory/rank_{learner.layout.rank}/peak_mb"] = distributed.peak_memory_mb(learner.policy.device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        learner.lr_scheduler.step()
+    return metrics
