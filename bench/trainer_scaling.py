@@ -17,7 +17,7 @@ Measured, each side in its own fresh process(es), sides alternating over --block
              the rows, gradients reduced over gloo); rank 0 writes the timings, each fit's
              time being the slowest rank's;
   raw        (in the 1-worker process, alternating with its fits) the floor: the same padded
-             rows cut into the same micro-batches (TokenBatch.build + micro_batches, built
+             rows cut into the same micro-batches (TrainBatch.build's micro_batches, built
              once, untimed), a plain HF forward, log_softmax, the target tokens' logprobs, a
              masked mean over the trained tokens, backward, grad clipping, AdamW; no GRPO
              bookkeeping (advantages, ratios, clipping, metrics).

@@ -31,7 +31,7 @@ class AdvantageInputs:
     @classmethod
     def from_samples(cls, batch: list[Sample], token_rewards: torch.Tensor | None = None,
                      values: torch.Tensor | None = None) -> AdvantageInputs:
-        """A batch's inputs, T its longest sample's tokens - 1 (aligned like TokenBatch): a
+        """A batch's inputs, T its longest sample's tokens - 1 (aligned like a TrainBatch): a
         failed sample, or one with no response, has a row of zeros and no group."""
         width = max((len(s.tokens) for s in batch), default=1)
         mask = torch.zeros(len(batch), max(width - 1, 0))

@@ -93,6 +93,18 @@ class Images:
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """An MoE's routing as the engine computed it: the experts of each position at each MoE
+    layer, [N, L, layers, k] (rows the engine gave none, and positions no generation computed:
+    experts 0..k-1, whose outputs are never used)."""
+
+    ids: torch.Tensor
+
+    def rows(self, idx: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+        return self.ids[idx, :width].to(device)
+
+
+@dataclass(frozen=True)
 class TrainBatch:
     """The trained rows, [N, L] or [N, L-1] per token, right-padded."""
 
@@ -111,7 +123,7 @@ class TrainBatch:
     minibatches: tuple[Minibatch, ...]
     micro_batches: tuple[MicroBatch, ...]  # this rank's over all its rows (the forwards before the update)
     images: Images | None  # a vision-language model's
-    routed: torch.Tensor | None  # MoE: the engine's experts [N, L, layers, k] (rows without: 0..k-1)
+    routed: RoutedExperts | None  # an MoE's, when the engine recorded them (rollout.routing_capture)
 
     @classmethod
     def build(cls, samples: list[Sample], version: int, layout: Layout,
@@ -209,7 +221,7 @@ def _padded(rows: list[list], width: int, value, dtype: torch.dtype) -> torch.Te
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def _routed(samples: list[Sample], width: int) -> torch.Tensor | None:
+def _routed(samples: list[Sample], width: int) -> RoutedExperts | None:
     """The samples' routing, padded; positions no generation computed (the last token, and
     padding) get experts 0..k-1: their outputs are never used."""
     arrays = [s.trace.routed_experts for s in samples]
@@ -221,4 +233,4 @@ def _routed(samples: list[Sample], width: int) -> torch.Tensor | None:
         if a is not None:
             n = min(len(a), width)
             out[row, :n] = torch.from_numpy(a[:n].astype("int16"))
-    return out
+    return RoutedExperts(out)

@@ -35,7 +35,7 @@ class Critic:
     it alone before the policy starts updating (the controller skips the policy's step)."""
 
     def __init__(self, policy_path: str, total_steps: int, optimizer: Callable[..., torch.optim.Optimizer],
-                 model_path: str | None = None, lr_schedule: LrSchedule = "constant",
+                 model_path: str | None = None, lr_schedule: LrSchedule = "cosine",
                  warmup_steps: AtLeast0 = 0, critic_only_steps: AtLeast0 = 0,
                  value_clip: Positive | None = 0.2, max_grad_norm: Positive = 1.0, dtype: str = "float32",
                  gradient_checkpointing: bool = False, mixed_precision: str = "none"):

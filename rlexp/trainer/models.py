@@ -36,6 +36,7 @@ from rlexp.trainer import distributed
 from rlexp.trainer.lora import PREFIX, add_adapters, check_spec, is_adapter, merged_weights
 
 log = logging.getLogger(__name__)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 VISION_NAMES = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_tower")  # transformers'
 
 
@@ -52,7 +53,7 @@ def build_policy(model_path: str, dtype: str, gradient_checkpointing: bool, mixe
     model: Any = auto.from_pretrained(model_path, dtype=getattr(torch, resolve_dtype(dtype)))
     if gradient_checkpointing:  # recompute each layer's activations in backward: memory for time
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    spec: dict[str, Any] = {"rank": 0, "alpha": 16, "target_modules": LORA_TARGETS}  # as the YAML
     spec |= dict(lora or {})
     check_spec(spec["rank"], spec["alpha"], spec["target_modules"])
     unsynced: tuple[str, ...] = ()

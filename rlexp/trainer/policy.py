@@ -113,7 +113,7 @@ class Policy:
         inputs = {"input_ids": batch.input_ids[rows, :width].to(self.device)}
         if batch.images is not None:
             inputs |= batch.images.inputs(rows, self.device)
-        routed = batch.routed[rows, :width].to(self.device) if batch.routed is not None else None
+        routed = batch.routed.rows(rows, width, self.device) if batch.routed is not None else None
         predicting = torch.arange(width)[None] < torch.tensor(batch.lengths)[rows, None] - 1
         targets = torch.cat([inputs["input_ids"][:, 1:], torch.zeros_like(inputs["input_ids"][:, :1])], 1)
         head = _output_module(model)
@@ -146,8 +146,11 @@ class Policy:
     def _chunk(self, head: torch.nn.Module, entropy: bool, hidden: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
         """[n, 2] (logprob, entropy) of `n` positions: the only place logits exist."""
-        logits = type(head).forward(head, hidden).float() / self.temperature
-        logits[..., self.unsampled] = torch.finfo(logits.dtype).min  # as the engine masks them
+        logits = type(head).forward(head, hidden).float()
+        if self.temperature != 1.0:  # x / 1.0 is x: the pass over [n, vocab] is skipped, not rounded
+            logits = logits / self.temperature
+        if self.unsampled:
+            logits[..., self.unsampled] = torch.finfo(logits.dtype).min  # as the engine masks them
         logp_all = torch.log_softmax(logits, -1)
         logp = logp_all.gather(-1, targets[:, None])[:, 0]
         if not entropy:

@@ -15,7 +15,7 @@ dtype) shows as a difference orders of magnitude larger.
 The check logs `sync/tokens` (how many tokens it had), `sync/logprob_diff_max`, `_p99` and
 `_mean` every step; past the bound on the p99 it raises SyncMismatch before the optimizer
 step. The p99, not the max: in bfloat16 a few tokens whose top logits nearly tie differ by
-more than the rest, on a healthy sync too. The first forward is `compute_old_logprobs` when
+more than the rest, on a healthy sync too. The first forward is `old_logprobs`'s (update.py) when
 it runs one (`old_logprobs=recompute`), else the first minibatch's training forward: then
 only the first minibatch's tokens are checked. Exact over ranks (the differences gathered).
 
