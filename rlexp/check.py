@@ -231,7 +231,7 @@ class CheckRun:
     async def configured(self, loop: Any, version: int, last: bool) -> None:
         """The configured agent's batch at `version`, measured; unless `last`, the loop's step
         on it (its fit measures the batch first, then updates) and the sync to `version + 1`."""
-        from rlexp.loop import rl_step
+        from rlexp.step import rl_step
 
         if last:
             batch = await loop.scheduler.produce_batch(loop.data, loop.agent, version)

@@ -15,6 +15,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from rlexp.config_components import check_components
 from rlexp.constraints import Fraction, Positive
 from rlexp.errors import CheckpointError, ConfigError
 from rlexp.guards import GUARDS
@@ -96,10 +97,10 @@ def _get(cfg: DictConfig, key: str):
 def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> None:
     """Raise ConfigError naming the first bad key. Each component's arguments are checked
     against its constructor's signature (`check_arguments`); what is checked here besides
-    are top-level keys and relations between groups, and what components declare of
-    themselves (`declares`). `static`: only what needs no import of the components (see
-    check_arguments); the full check follows the imports. `images`: the data has prompts with
-    images (rlexp.preflight found some)."""
+    are top-level keys and relations between groups (those that read what the components
+    declare of themselves: rlexp/config_components.py). `static`: only what needs no import
+    of the components (see check_arguments); the full check follows the imports. `images`:
+    the data has prompts with images (rlexp.preflight found some)."""
     check_arguments(cfg, static=static)
     for key, minimum in (("seed", 0), ("checkpoint.every_n_steps", 0), ("checkpoint.keep_last", 0)):
         check_value(key, _get(cfg, key), Annotated[int, Ge(minimum)])
@@ -136,52 +137,11 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
 
         load_factory(cfg.agent.factory)
     _check_reward_functions(cfg)
-    _check_judge_methods(cfg)
-    _check_scheduler(cfg)
-    _check_cluster(cfg)
-    _check_graders(cfg)
-    if images:
-        _check_images(cfg)
+    check_components(cfg, images)
     if OmegaConf.select(cfg, "trainer.routing_replay") == "rollout" and \
             not OmegaConf.select(cfg, "rollout.routing_capture"):
         raise ConfigError("trainer.routing_replay=rollout replays the engine's routing: it needs "
                           "rollout.routing_capture=true (rollout=vllm, an MoE model)")
-
-
-def _check_judge_methods(cfg: DictConfig) -> None:
-    """A judge of your own has every method of the `Judge` Protocol (the optional ones by
-    subclassing it): checked now, not when the loop first calls one after the engine started."""
-    from rlexp.protocols import Judge
-
-    target = OmegaConf.select(cfg, "judge._target_")
-    if not isinstance(target, str):
-        return
-    methods = [name for name, member in vars(Judge).items() if callable(member) and not name.startswith("_")]
-    missing = [name for name in methods if not callable(getattr(get_object(target), name, None))]
-    if missing:
-        raise ConfigError(f"judge._target_: {target} has no {', '.join(missing)}: a judge has the methods "
-                          "of rlexp.protocols.Judge (subclass it to inherit the optional ones' defaults)")
-
-
-def declares(node: DictConfig | None, attribute: str) -> bool:
-    """What the component `node` builds says of itself: the `attribute` its `_target_`
-    declares (a class attribute, e.g. `takes_images = True`); False where it declares nothing.
-    Config checks ask this, never the `_target_`'s name: a class of your own declares it too."""
-    target = node.get("_target_") if node is not None else None
-    return isinstance(target, str) and bool(getattr(get_object(target), attribute, False))
-
-
-def _check_images(cfg: DictConfig) -> None:
-    """Prompts with images need an agent that sends them and an engine that takes them
-    (`sends_images`, `takes_images`: rlexp's agents and rollout=vllm declare them)."""
-    agent = OmegaConf.select(cfg, "agent._target_")
-    if not declares(cfg.agent, "sends_images"):
-        raise ConfigError(f"data.source has prompts with images, which agent._target_={agent} does not "
-                          "send to the engine (it declares no `sends_images = True`): use "
-                          "agent=single_turn, multiturn, tool or openai")
-    if not declares(cfg.rollout, "takes_images"):
-        raise ConfigError(f"data.source has prompts with images: rollout._target_={cfg.rollout._target_} "
-                          "takes none (it declares no `takes_images = True`); use rollout=vllm")
 
 
 def _check_reward_functions(cfg: DictConfig) -> None:
@@ -197,24 +157,6 @@ def _check_reward_functions(cfg: DictConfig) -> None:
         load_functions(cfg.judge.functions)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _check_cluster(cfg: DictConfig) -> None:
-    on_ray = declares(cfg.get("cluster"), "distributed")
-    replicas = OmegaConf.select(cfg, "rollout.replicas") or 1
-    if replicas != 1 and not on_ray:  # an engine class builds one engine; replicas are a pool's
-        raise ConfigError(f"rollout.replicas={replicas} runs several engines as Ray actors: add cluster=ray")
-    workers = OmegaConf.select(cfg, "trainer.workers") or 1
-    if workers > 1 and OmegaConf.select(cfg, "loop") == "low_level":
-        raise ConfigError(f"loop=low_level calls the trainer in this process: it needs trainer.workers=1, "
-                          f"got {workers} (loop=fit runs a trainer group)")
-    if workers > 1 and not on_ray:
-        raise ConfigError(f"trainer.workers={workers} runs the trainer's ranks as Ray actors: "
-                          "add cluster=ray")
-    if workers > 1 and declares(cfg.get("weight_transfer"), "sends_from_driver"):
-        raise ConfigError(f"weight_transfer={cfg.weight_transfer._target_} sends from a trainer in the "
-                          f"driver; with trainer.workers={workers} use weight_transfer=auto (ram_file or "
-                          "object_store)")
 
 
 def derived(cfg: DictConfig) -> dict[str, int]:
@@ -338,42 +280,6 @@ def _described(annotation: Any) -> str:
         return "one of " + ", ".join(map(str, typing.get_args(annotation)))
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
     return names.get(annotation, getattr(annotation, "__name__", str(annotation)))
-
-
-def _check_graders(cfg: DictConfig) -> None:
-    """A model judge grading on the policy's engine with a constrained reply needs an engine
-    that `constrains_replies` (vLLM)."""
-    if declares(cfg.rollout, "constrains_replies"):
-        return
-    parts = cfg.judge.get("judges") or {}
-    nodes = [("judge", cfg.judge)] + [(f"judge.judges.{k}", v) for k, v in parts.items()]
-    for where, node in nodes:
-        if declares(node, "constrains_policy_replies") and node.get("base_url") is None \
-                and node.get("reply_regex") is not None:
-            raise ConfigError(f"{where} grades on the policy's engine with its reply constrained "
-                              f"({where}.reply_regex), which rollout=hf cannot do: use rollout=vllm, "
-                              f"{where}.reply_regex=null, or {where}.base_url")
-
-
-def _check_scheduler(cfg: DictConfig) -> None:
-    """Relations between the scheduler's knobs and the other groups."""
-    scheduler = get_object(cfg.scheduler._target_)
-    if getattr(scheduler, "overlaps_training", False) and OmegaConf.select(cfg, "rollout.enable_sleep_mode"):
-        raise ConfigError("rollout.enable_sleep_mode=true frees the engine during training, which "
-                          f"{scheduler.__name__} uses to keep generating; use scheduler=sync with it")
-    if OmegaConf.select(cfg, "scheduler.tail_batch_candidate_step") is None:
-        return
-    eta, step = cfg.scheduler.staleness_threshold, cfg.scheduler.tail_batch_candidate_step
-    size, prompts_per_step = cfg.scheduler.tail_batch_trigger_size, cfg.data.prompts_per_step
-    if (step == 0) != (size == 0):
-        raise ConfigError("scheduler.tail_batch_candidate_step and scheduler.tail_batch_trigger_size "
-                          f"go on together (both > 0) or off (both 0); got {step} and {size}")
-    if step > eta:
-        raise ConfigError(f"scheduler.tail_batch_candidate_step={step} must be <= "
-                          f"scheduler.staleness_threshold={eta}: a group in flight that long has expired")
-    if size > prompts_per_step:
-        raise ConfigError(f"scheduler.tail_batch_trigger_size={size} must be <= "
-                          f"data.prompts_per_step={prompts_per_step} (a tail batch fits in one batch)")
 
 
 def validate_data(cfg: DictConfig, n_train: int, n_eval: int) -> None:

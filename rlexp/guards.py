@@ -33,7 +33,7 @@ PROGRAMMING_ERRORS: tuple[type[BaseException], ...] = (
     TypeError, AttributeError, NameError, ImportError, SyntaxError, NotImplementedError)
 
 
-class AgentGuard:
+class AgentGuard(Agent):
     """Wraps an agent: a rollout longer than `timeout_s` is cancelled and the sample ABORTED
     with the reason. Exceptions pass through (the scheduler marks the sample FAILED with them)."""
 
@@ -56,7 +56,7 @@ class AgentGuard:
         await self.agent.aclose()
 
 
-class JudgeGuard:
+class JudgeGuard(Judge):
     """Wraps a judge: a timeout, an exception or a NaN/inf reward raises JudgeError with the
     reason, which fails that sample (not the run). `PROGRAMMING_ERRORS` pass through."""
 

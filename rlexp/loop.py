@@ -3,7 +3,8 @@
     loop = RLLoop(cfg, run_dir)
     final = await loop.execute(tags, resume_from)   # setup, restore, train, cleanup
 
-`train` is one `for step` doing produce -> fit -> sync -> log -> evaluate -> checkpoint.
+`train` is one `for step` doing produce -> fit -> sync (rlexp/step.py's `rl_step`) -> log ->
+evaluate -> checkpoint.
 
 Who owns what:
 - the loop owns the policy version (`self.version`: weight versions published so far). It
@@ -38,46 +39,28 @@ from rlexp.chat import tool_prompt
 from rlexp.checkpoint import RunState
 from rlexp.cluster import build_cluster
 from rlexp.config import derived
-from rlexp.data.manager import DataManager
 from rlexp.errors import (
     EngineDead,
     ProgrammingError,
     RunStopped,
-    SyncHung,
     SyncMismatch,
     TrainerDead,
     config_error_unwrapped,
 )
 from rlexp.guards import AgentGuard, JudgeGuard
-from rlexp.metrics import GeneratedLengths, failure_report, rollout_metrics
+from rlexp.metrics import GeneratedLengths, failure_report
 from rlexp.preflight import Inputs, check_lengths, load_inputs
 from rlexp.progress import Progress, SweepPosition
 from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.signals import StopOnSignals
+from rlexp.step import rl_step, sync_within
 from rlexp.trainer import update
 from rlexp.trainer.controller import TrainController
-from rlexp.trainer.sync_check import check_compared, check_versions
-from rlexp.weights.protocols import NamedTensors, WeightTransport
+from rlexp.weights.protocols import WeightTransport
 
 log = logging.getLogger("rlexp")
-
-
-async def sync_within(transport: WeightTransport, weights: NamedTensors, engine: RolloutEngine, version: int,
-                      timeout_s: float) -> None:
-    """The transfer and the engine's reload, stopped with SyncHung past `timeout_s` (the run's
-    `sync_timeout_s`): a hung sync otherwise blocks the run forever with no error. The
-    transport's awaits (the engine's reload, Ray, vLLM's transfer calls) are cancelled; the
-    run's cleanup then shuts the engine down, a process hung in its reload included."""
-    try:
-        await asyncio.wait_for(transport.transfer(weights, engine, version), timeout_s)
-    except TimeoutError:
-        log.error("weight sync to policy version %d hung past %g s: stopping the run", version, timeout_s)
-        raise SyncHung(f"the weight sync to policy version {version} did not finish in {timeout_s:g} s "
-                       f"(sync_timeout_s): transport {type(transport).__name__}, engine "
-                       f"{type(engine).__name__}. The engine is shut down; the run's checkpoints "
-                       "are kept") from None
 
 
 def build(cfg: DictConfig, group: str, **runtime: Any) -> Any:
@@ -98,44 +81,6 @@ def build_guarded(cfg: DictConfig, group: str, guard: type, **runtime: Any) -> A
     with config_error_unwrapped():  # a component that refuses its arguments: its one line
         component = instantiate(spec, **runtime)
     return guard(component, **guard_args)
-
-
-async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine: RolloutEngine,
-                  trainer: Trainer, transport: WeightTransport, version: int,
-                  fit: Callable[[list[Sample], int], dict[str, float]] | None = None,
-                  sync_timeout_s: float = 300.0) -> tuple[list[Sample], dict[str, float]]:
-    """produce -> fit -> sync for policy `version`; after it the engine serves `version + 1`.
-    Under the async scheduler, rollout goes on in the background during fit. `fit`: the
-    update (default `trainer.fit`; loop=low_level: rlexp/trainer/update.py's `fit` from the loop); it
-    checks the last sync on its first forward (SyncMismatch). The batch's own token versions
-    are checked against `version` before it (SyncMismatch: the sync never reached the engine),
-    and that the check compared tokens after it (SyncUnchecked). A sync longer than
-    `sync_timeout_s` raises SyncHung."""
-    t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
-    batch = await scheduler.produce_batch(data, agent, version)
-    to_compare = check_versions(batch, version, scheduler.max_staleness)
-    t1 = time.time()
-    await engine.sleep()  # GPU with rollout.enable_sleep_mode: free vLLM's memory for training
-    train_metrics = await asyncio.to_thread(fit or trainer.fit, batch, version)
-    await engine.wake_up()
-    check_compared(train_metrics, version, to_compare)
-    t2 = time.time()
-    publish = partial(sync_within, transport, trainer.weights(), engine, version + 1, sync_timeout_s)
-    await scheduler.sync_weights(engine, publish, version + 1)
-    t3 = time.time()
-    busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
-    metrics = rollout_metrics(batch, version) | train_metrics
-    metrics |= engine.pop_replica_metrics()  # a pool's per replica (cluster=ray)
-    if busy > 0.01:  # generation speed while the engine had work (this step's window)
-        metrics["throughput/rollout_tokens_per_s"] = generated / busy
-    for k, v in scheduler.pop_counts().items():  # rejected before reaching the batch
-        metrics[k] = metrics.get(k, 0.0) + v
-    return batch, metrics | {
-        "timing/produce_s": t1 - t0, "timing/fit_s": t2 - t1, "timing/sync_s": t3 - t2,
-        "timing/step_s": t3 - t0, "rollout/policy_version": float(version),
-        "rollout/engine_idle_frac": 1.0 - busy / (t3 - t0),
-        "throughput/train_tokens_per_s": metrics["rollout/tokens"] / (t3 - t0),  # end to end
-        "train/idle_frac": 1.0 - (t2 - t1) / (t3 - t0)}
 
 
 class RLLoop:

@@ -68,7 +68,7 @@ def length_stats(lengths: list[int], prefix: str) -> dict[str, float]:
             f"{prefix}_p90": float(xs[min(len(xs) - 1, 9 * len(xs) // 10)])}
 
 
-class GeneratedLengths:
+class GeneratedLengths(Agent):
     """An Agent passing rollouts through to `agent`, keeping the response length of every
     sample it completed, trained or not (filtered, expired, or waiting for a later batch).
     `pop_metrics`: their distribution since the last call, logged beside the trained batch's

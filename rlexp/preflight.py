@@ -29,8 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlexp.chat import tool_prompt
 from rlexp.chat.render import encode, render_chat
 from rlexp.config import validate, validate_data, validate_lengths
+from rlexp.config_components import member
 from rlexp.data.hub import snapshot_commit
 from rlexp.data.manager import DataManager
+from rlexp.data.sources import PromptSource
 from rlexp.errors import ConfigError, config_error_unwrapped
 from rlexp.evaluator import Evaluator
 from rlexp.sample import split_images
@@ -69,8 +71,9 @@ def load_inputs(cfg: DictConfig) -> Inputs:
                             samples_per_prompt=evaluator.samples_per_prompt)
     validate_data(cfg, len(data), len(eval_data))
     model_path = _model_path(cfg)
+    data_commit = member(source, "data.source._target_", PromptSource, "commit")
     inputs = Inputs(data, eval_data, evaluator, model_path=model_path,
-                    model_commit=snapshot_commit(model_path), data_commit=getattr(source, "commit", None))
+                    model_commit=snapshot_commit(model_path), data_commit=data_commit)
     _pin_revision(cfg.model, inputs.model_commit)
     _pin_revision(cfg.data.source, inputs.data_commit)
     return inputs

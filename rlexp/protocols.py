@@ -1,7 +1,9 @@
 """Every seam of rlexp on one page. Components are held by these types; any class with the
-same methods fits. What a component can do is a method here, never probed with `hasattr`:
-an optional one has a default body, which a class gets by subclassing the Protocol
-(`class MyJudge(Judge)`; rlexp's own judges do) or writes itself.
+same members fits. What a component can do is a method or a declared attribute here, never
+probed with `hasattr`: an optional one has a default (a body, a value), which a class gets by
+subclassing the Protocol (`class MyJudge(Judge)`; rlexp's own judges do) or writes itself. The
+config check reads the declared attributes from the `_target_` classes before anything is
+built (rlexp/config_components.py).
 
     RLLoop (rlexp/loop.py) owns the policy version, the step and the checkpoint directory
       |-- Scheduler      produce_batch(data, agent, version) / sync_weights(engine, publish, version)
@@ -36,12 +38,26 @@ class RolloutEngine(Protocol):
     sampling: SamplingConfig  # the run's default (training) sampling settings
     max_model_len: int  # prompt + response tokens one request may hold
     busy: BusyMeter  # seconds with at least one request in flight, tokens generated
+    # What the class can do, read from the `rollout._target_` class before anything is built:
+    takes_images: bool = False  # `generate(images=...)`: a vision-language model's pictures
+    constrains_replies: bool = False  # applies `SamplingConfig.constraint` (guided decoding)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list[Any] | None = None) -> Generation:
         """One completion; every token carries the version of the weights that produced it.
         `images`: a vision-language model's, one per image in `token_ids` (expanded there)."""
         ...
+
+    async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
+                                 on_tokens: Callable[[list[int], list[float]], None] | None,
+                                 images: list[Any] | None = None) -> Generation:
+        """`generate`, calling `on_tokens(ids, logprobs)` with new tokens as they come (the
+        server's `stream=true`; rlexp/chat/streaming.py). The default, for an engine that
+        cannot stream, reports the whole reply once, when it is done."""
+        gen = await self.generate(token_ids, sampling, images)
+        if on_tokens is not None and gen.token_ids:
+            on_tokens(gen.token_ids, gen.logprobs)
+        return gen
 
     async def pause(self, interrupt: bool) -> None:
         """Stop starting new work before a weight update. interrupt=False: wait until every
@@ -65,21 +81,11 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-class StreamingEngine(RolloutEngine, Protocol):
-    """An engine that can report a completion's tokens as they come (the server's
-    `stream=true`; rlexp/chat/streaming.py). Engines without it stream a reply whole."""
-
-    async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
-                                 on_tokens: Callable[[list[int], list[float]], None] | None,
-                                 images: list[Any] | None = None) -> Generation:
-        """`generate`, calling `on_tokens(ids, logprobs)` with new tokens as they come."""
-        ...
-
-
 class Tool(Protocol):
     """A function the policy may call (rlexp/tools/): an OpenAI tool `spec`, and the call."""
 
     spec: dict[str, Any]
+    reads_images: bool = False  # True: an `ImageTool`, called with the conversation's images
 
     async def __call__(self, arguments: str) -> str | list[dict[str, Any]]:
         """`arguments`: the call's JSON object; returns the result text (or "error: ..."), or
@@ -99,6 +105,10 @@ class ImageTool(Protocol):
 
 
 class Judge(Protocol):
+    # may grade on the policy's engine with its reply constrained (judge=llm): the config
+    # check then needs a rollout engine that `constrains_replies`
+    constrains_policy_replies: bool = False
+
     async def score(self, sample: Sample) -> Sample:
         """Set `reward` and `reward_components`, with `correct` (1.0 or 0.0) among them where
         the judge decides correctness (`Sample.correct` reads it; agents ask a judge, never
@@ -113,6 +123,8 @@ class Judge(Protocol):
 
 
 class Agent(Protocol):
+    sends_images: bool = False  # a prompt's images reach the engine (checked for data with images)
+
     async def rollout(self, sample: Sample) -> Sample | list[Sample]:
         """One trajectory from the sample's prompt (several if the conversation branched or
         was split at a prefix break), scored by the agent's judge."""
@@ -122,6 +134,8 @@ class Agent(Protocol):
 
 
 class Scheduler(Protocol):
+    overlaps_training: bool = False  # generates while the trainer trains (no engine sleep then)
+
     @property
     def max_staleness(self) -> int:
         """The most versions a trained token may be older than the version it trains."""

@@ -86,7 +86,7 @@ def vlm_path(tmp_path_factory) -> str:
     """The tiny vision-language model (random weights, rlexp/models/vlm.py), built once."""
     from rlexp.models.vlm import build_vlm_model
 
-    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
+    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0, warm_start_steps=0)
 
 
 @pytest.fixture(scope="session")

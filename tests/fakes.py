@@ -9,6 +9,7 @@ import random
 from functools import partial
 from pathlib import Path
 
+from rlexp.protocols import RolloutEngine
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.trainer.sync_check import SyncCheck
@@ -21,9 +22,10 @@ from rlexp.weights.ram_file import RamFileTransport
 UNCHECKED = partial(SyncCheck, bound="off")
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutEngine):
     """Replies with the next scripted text (tokenized), logprob -0.5 per token; records
-    every prompt it was given, the sampling asked, and every token list it returned."""
+    every prompt it was given, the sampling asked, and every token list it returned. Streams
+    a reply whole (the Protocol's `generate_streaming`)."""
 
     def __init__(self, tokenizer, replies: list[str], max_model_len: int = 512):
         self.tokenizer = tokenizer
@@ -47,7 +49,7 @@ class ScriptedEngine:
         return Generation(ids, [-0.5] * len(ids), finish, [self.version] * len(ids))
 
 
-class TimedEngine:
+class TimedEngine(RolloutEngine):
     """A RolloutEngine for scheduler tests: one token every `token_s` seconds, response
     lengths long-tailed (fixed by the request seed), pause/resume like the vLLM engine:
     interrupt=True cuts generations short and continues them under the new version."""

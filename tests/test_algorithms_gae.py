@@ -58,7 +58,7 @@ def test_gae_estimator_whitens_advantages_and_keeps_raw_returns():
     assert torch.allclose(ret, T([[1.0, 1, 1], [0, 0, 0], [0, 0, 0]]), atol=1e-6)
     assert torch.allclose(adv, whiten(raw, steps), atol=1e-6)
     assert adv[2].abs().sum() == 0  # failed: 0 and no part in the whitening
-    assert torch.allclose(GAE(whiten=False)(x), raw, atol=1e-6)
+    assert torch.allclose(GAE(lam=1.0, whiten=False)(x), raw, atol=1e-6)
 
 
 def test_gae_needs_values_and_valid_parameters():

@@ -11,10 +11,10 @@ from rlexp import checkpoint
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.errors import CheckpointError, ConfigError
-from rlexp.loop import rl_step
 from rlexp.sample import Sample, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler, GroupRollout
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.step import rl_step
 from rlexp.weights.files import WEIGHTS_FILE, save_safetensors
 from tests.fakes import TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data

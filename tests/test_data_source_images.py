@@ -11,6 +11,8 @@ import pytest
 from rlexp.data.sources import HFDiskSource, JsonlSource, ParquetSource
 from tests.data_source_helpers import _jsonl, _parquet
 
+PLAIN = {"answer_pattern": None}  # the answers here are the whole field, not GSM8K's "#### n"
+
 # ---- rows with images (image_key) -------------------------------------------------------------
 
 
@@ -60,15 +62,15 @@ def test_jsonl_image_paths_are_relative_to_the_file_and_load_the_saved_pixels(pi
             {"question": "none", "answer": "0", "image": []}]
     train = _jsonl(d / "train.jsonl", rows)
     monkeypatch.chdir(d / "img")  # relative to the JSONL file, not to the working directory
-    src = JsonlSource(train, eval_path=train, image_key="image", system_prompt="Count.")
+    src = JsonlSource(train, eval_path=train, image_key="image", system_prompt="Count.", **PLAIN)
     one, two, none = src.problems("eval")
     assert one.messages[0] == {"role": "system", "content": "Count."}
     assert _parts(one) == (_rgb(a), "one")
     assert _parts(two) == (_rgb(b, c), "two")
     assert _parts(none) == ([], "none")
     assert two.where == f"{d}/train.jsonl:2"
-    assert [p.messages for p in JsonlSource(train, eval_path=train).problems("eval")][0][-1] == \
-           {"role": "user", "content": "one"}  # no image_key: text rows, as before
+    text_rows = JsonlSource(train, eval_path=train, **PLAIN).problems("eval")  # no image_key
+    assert text_rows[0].messages[-1] == {"role": "user", "content": "one"}  # text rows, as before
 
 
 def _all(src):
@@ -80,15 +82,15 @@ def test_parquet_images_as_bytes_lists_and_image_dicts(pictures):
     by a path relative to the Parquet file (what `Dataset.to_parquet` writes for files)."""
     d, (a, b, c) = pictures
     rows = [{"question": f"q{i}", "answer": "1", "image": _png(im)} for i, im in enumerate((a, b))]
-    assert _all(ParquetSource(_parquet(d / "bytes.parquet", rows), image_key="image", eval_size=1)) == \
-           [(_rgb(a), "q0"), (_rgb(b), "q1")]
+    def parquet(name, rows, key="image"):
+        return ParquetSource(_parquet(d / name, rows), image_key=key, eval_size=1, **PLAIN)
+
+    assert _all(parquet("bytes.parquet", rows)) == [(_rgb(a), "q0"), (_rgb(b), "q1")]
     pairs = [{"question": f"q{i}", "answer": "2", "images": [_png(c), _png(a)]} for i in range(2)]
-    assert _all(ParquetSource(_parquet(d / "two.parquet", pairs), image_key="images", eval_size=1)) == \
-           [(_rgb(c, a), "q0"), (_rgb(c, a), "q1")]
+    assert _all(parquet("two.parquet", pairs, "images")) == [(_rgb(c, a), "q0"), (_rgb(c, a), "q1")]
     dicts = [{"question": "q0", "answer": "1", "image": {"bytes": _png(b), "path": "not/read.png"}},
              {"question": "q1", "answer": "2", "image": {"bytes": None, "path": "img/a.png"}}]
-    assert _all(ParquetSource(_parquet(d / "dicts.parquet", dicts), image_key="image", eval_size=1)) == \
-           [(_rgb(b), "q0"), (_rgb(a), "q1")]
+    assert _all(parquet("dicts.parquet", dicts)) == [(_rgb(b), "q0"), (_rgb(a), "q1")]
 
 
 def test_save_to_disk_image_features_read_as_datasets_reads_them(pictures):
@@ -100,7 +102,7 @@ def test_save_to_disk_image_features_read_as_datasets_reads_them(pictures):
                                       "image": [[str(d / "img/sub/b.png"), str(d / "img/a.png")]]})
     datasets.DatasetDict({"train": one.cast_column("image", img),
                           "test": two.cast_column("image", seq)}).save_to_disk(str(d / "hf"))
-    src = HFDiskSource(str(d / "hf"), eval_split="test", image_key="image")
+    src = HFDiskSource(str(d / "hf"), eval_split="test", image_key="image", **PLAIN)
     assert [_parts(p) for p in src.problems("train")] == [(_rgb(a), "q0"), (_rgb(c), "q1")]
     assert [_parts(p) for p in src.problems("eval")] == [(_rgb(b, a), "q2")]
     loaded = datasets.load_from_disk(str(d / "hf"))  # the real reader: same pixels
@@ -162,6 +164,6 @@ BAD_IMAGES = {  # the source, its file, the error's text; {d}: the data director
 def test_bad_images_name_the_file_row_and_key(bad_images, name):
     cls, file, message = BAD_IMAGES[name]
     with pytest.raises(ValueError) as err:
-        cls(str(bad_images / file), image_key="image", eval_size=1)
+        cls(str(bad_images / file), image_key="image", eval_size=1, **PLAIN)
     assert message.format(d=bad_images) in str(err.value)
     assert "\n" not in str(err.value)

@@ -84,7 +84,7 @@ def test_rows_are_named_by_file_and_index(good):
 
 def test_numbers_and_other_keys_map_like_jsonl(tmp_path):
     rows = [{"q": f"{i}*7=", "a": i * 7, "x": 0.5} for i in range(10)]
-    kw = dict(question_key="q", answer_key="a", eval_size=3, seed=1)
+    kw = dict(question_key="q", answer_key="a", answer_pattern=None, eval_size=3, seed=1)
     jsonl = JsonlSource(_jsonl(tmp_path / "n.jsonl", rows), **kw)
     assert jsonl.problems("train")[0].answer.isdigit()
     _same(jsonl, ParquetSource(_parquet(tmp_path / "n.parquet", rows), **kw))
@@ -99,7 +99,7 @@ def test_pyarrow_reader_reads_what_load_from_disk_reads(good, tmp_path):
     ds.save_to_disk(str(tmp_path / "shuffled"), num_shards=2)
     for path in (good / "hf_train", tmp_path / "shuffled"):
         loaded = datasets.load_from_disk(str(path))
-        src = HFDiskSource(str(path), eval_size=1, seed=0)
+        src = HFDiskSource(str(path), eval_size=1, seed=0, answer_pattern=None)
         ours = sorted(src.problems("train") + src.problems("eval"), key=lambda p: int(p.where.split()[-1]))
         assert [p.messages[-1]["content"] for p in ours] == loaded["question"]
         assert [p.answer for p in ours] == loaded["answer"]

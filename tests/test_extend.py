@@ -1,6 +1,7 @@
 """Components of a user's own, in their own module (examples/extend/, the "Extend rlexp" docs
 page), selected by `_target_` with no rlexp edit; config checks that ask a component what it
-can do (`rlexp.config.declares`) instead of reading its `_target_`'s name."""
+can do (an attribute of its Protocol, rlexp/config_components.py) instead of reading its
+`_target_`'s name."""
 
 import asyncio
 import os
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 
 from rlexp.config import validate
 from rlexp.errors import ConfigError
+from rlexp.protocols import Agent, RolloutEngine
 from rlexp.sample import Generation, Sample, Status
 from tests.fakes import ScriptedEngine
 
@@ -79,20 +81,24 @@ def _compose(*overrides):
 
 
 # A user's own classes, named so that reading their `_target_` would misjudge them.
-class MyVLLMEngineWrapper:  # "VLLMEngine" in its name, but it declares no images
+class MyVLLMEngineWrapper(RolloutEngine):  # "VLLMEngine" in its name; takes no images (the default)
     def __init__(self, **rollout_keys):
         pass
 
 
-class PictureSampler:  # takes images, and says so
+class PictureSampler(RolloutEngine):  # takes images, and says so
     takes_images = True
 
     def __init__(self, **rollout_keys):
         pass
 
 
-class CountingAgentWithImages:
+class CountingAgentWithImages:  # not subclassing Agent: it declares the attribute itself
     sends_images = True
+
+
+class TextAgent(Agent):
+    pass
 
 
 def test_image_checks_ask_the_agent_and_the_engine():
@@ -100,8 +106,7 @@ def test_image_checks_ask_the_agent_and_the_engine():
     base = ["experiment=vlm", f"agent._target_={here}.CountingAgentWithImages"]
     validate(_compose(*base), images=True)
     with pytest.raises(ConfigError, match="does not send to the engine"):
-        validate(_compose("experiment=vlm", "agent._target_=tests.test_schedulers.CountingAgent"),
-                 images=True)
+        validate(_compose("experiment=vlm", f"agent._target_={here}.TextAgent"), images=True)
     with pytest.raises(ConfigError, match="MyVLLMEngineWrapper takes none"):
         validate(_compose(*base, f"rollout._target_={here}.MyVLLMEngineWrapper"), images=True)
     validate(_compose(*base, f"rollout._target_={here}.PictureSampler"), images=True)
@@ -109,8 +114,29 @@ def test_image_checks_ask_the_agent_and_the_engine():
         validate(_compose(*base, "rollout=hf"), images=True)
 
 
+def test_a_class_without_its_protocols_attribute_is_named_with_the_protocol_to_subclass():
+    agent = "agent._target_=tests.test_schedulers.CountingAgent"
+    message = (r"^agent._target_: tests.test_schedulers.CountingAgent is not an rlexp Agent: "
+               r"it has no sends_images \(subclass rlexp.protocols.Agent\)$")
+    with pytest.raises(ConfigError, match=message):
+        validate(_compose("experiment=vlm", agent), images=True)
+    validate(_compose(agent))  # no images: the check does not ask
+    with pytest.raises(ConfigError, match=r"rollout._target_: .*Engineless is not an rlexp RolloutEngine: "
+                                          r"it has no constrains_replies"):
+        validate(_compose(f"rollout._target_={__name__}.Engineless"))
+    cfg = _compose()
+    cfg.cluster = OmegaConf.create({"_target_": f"{__name__}.Engineless"})
+    with pytest.raises(ConfigError, match="cluster._target_: .* is not an rlexp Cluster: "):
+        validate(cfg)
+
+
+class Engineless:
+    def __init__(self, **keys):
+        pass
+
+
 class ArrayCluster:  # "ray" is in its module path (tests.test_extend.ArrayCluster): not a Ray cluster
-    pass
+    distributed = False
 
 
 def test_the_cluster_check_asks_the_cluster():

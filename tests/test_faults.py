@@ -12,11 +12,11 @@ from rlexp.errors import EngineDead, JudgeError, ProgrammingError
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
 from rlexp.judges.math_exact import MathExactJudge
-from rlexp.loop import rl_step
 from rlexp.metrics import rollout_metrics
 from rlexp.sample import Sample, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler, collect, rollout_group
+from rlexp.step import rl_step
 from tests.fakes import UNCHECKED, TimedEngine, VersionOnlyTransport
 from tests.test_schedulers import CountingAgent, SleepyTrainer, _data
 

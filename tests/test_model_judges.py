@@ -60,7 +60,7 @@ def test_reward_model_judge_scores_with_a_local_classifier(tiny_model_path, tmp_
     rm.save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     tok.save_pretrained(tmp_path)
-    judge = RewardModelJudge(str(tmp_path), weight=2.0)
+    judge = RewardModelJudge(str(tmp_path), weight=2.0, sigmoid=False)
     a, b = asyncio.run(judge.score(_sample("46"))), asyncio.run(judge.score(_sample("9")))
     text = tok.apply_chat_template([*a.prompt, {"role": "assistant", "content": "46"}], tokenize=False)
     with torch.no_grad():

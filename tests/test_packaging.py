@@ -46,7 +46,8 @@ def providers() -> dict[str, list[str]]:
 
 # Scripts another Python runs (an environment library's own venv, scripts/install_envs.sh):
 # rlexp never imports them, so their imports are that venv's lock's, not pyproject's.
-OTHER_PYTHON = {"envs/verifiers_worker.py": "verifiers", "envs/openenv_serve.py": "openenv"}
+OTHER_PYTHON = {"envs/verifiers_worker.py": "verifiers", "envs/verifiers_patches.py": "verifiers",
+                "envs/openenv_serve.py": "openenv"}
 
 
 def third_party_imports(path: Path, package: str) -> list[tuple[int, str]]:

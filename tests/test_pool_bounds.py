@@ -18,7 +18,7 @@ import pytest
 from rlexp.cluster.pool import RolloutPool
 from rlexp.cluster.trainer_group import TrainerGroup
 from rlexp.errors import EngineDead, TrainerDead
-from tests.test_cluster import SAMPLING, FakeReplica
+from tests.test_pool import SAMPLING, FakeReplica
 
 # A hung fake replica hangs for ever; the bounds are seconds, so that a healthy one's answer
 # (a few event-loop steps) beats them however loaded the machine.

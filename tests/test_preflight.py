@@ -48,6 +48,14 @@ def test_static_signature_reports_what_does_not_exist():
     assert static_signature("torch.optim.AdamW") is None  # not rlexp's: left to the full check
 
 
+def test_static_signature_reads_an_init_inherited_within_its_module():
+    """JsonlSource and ParquetSource share `_FileSource.__init__`: the static check still
+    refuses a key that is not an argument before any file is read."""
+    for target in ("rlexp.data.sources.JsonlSource", "rlexp.data.sources.ParquetSource"):
+        params, _ = static_signature(target)
+        assert list(params)[:2] == ["train_path", "eval_path"] and "image_key" in params
+
+
 @pytest.mark.parametrize("override, message", BAD_OVERRIDES)
 def test_static_check_never_disagrees_with_the_full_one(override, message):
     """It finds the same error, or leaves it to the full check; it never finds another."""
@@ -143,7 +151,7 @@ def _picture(seed: int, size=(64, 64)):
 def vlm_path(tmp_path_factory) -> str:
     from rlexp.models.vlm import build_vlm_model
 
-    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
+    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0, warm_start_steps=0)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +219,7 @@ def test_image_tokens_count_towards_the_context(vlm_path, image_rows, agent_prom
     """A prompt whose text fits but whose images' tokens do not fails in preflight, named by its
     row and counts; the same data fits once the context holds the agent's whole prompt."""
     long = JsonlSource(str(image_rows / "train.jsonl"), eval_path=str(image_rows / "eval.jsonl"),
-                       image_key="image").problems("train")[1]
+                       image_key="image", answer_pattern=None).problems("train")[1]
     n_long = len(agent_prompts(long.messages)[1])
     placeholders = _placeholder_tokens(agent_prompts, long.messages)
     n_text = placeholders - 8

@@ -1,7 +1,7 @@
 """Every component fits the Protocol it is held by (rlexp/protocols.py, rlexp/weights/protocols.py,
-rlexp/cluster Cluster): here at run time, method by method and attribute by attribute, from the
-classes alone (no engine, Ray or vLLM started), and statically by mypy (`make lint` type-checks
-this file too)."""
+rlexp/cluster Cluster, rlexp/data/sources.py PromptSource): here at run time, method by method
+and attribute by attribute, from the classes alone (no engine, Ray or vLLM started), and
+statically by mypy (`make lint` type-checks this file too)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import pytest
 
 from rlexp import protocols as P
-from rlexp.agents.environment import EnvironmentAgent, OpenEnvAgent
+from rlexp.agents.environment import EnvironmentAgent, MethodTool, OpenEnvAgent
 from rlexp.agents.faulty import FaultyAgent
 from rlexp.agents.multiturn import MultiTurnAgent
 from rlexp.agents.openai_agent import OpenAIAgent
@@ -24,6 +24,15 @@ from rlexp.cluster import Cluster, LocalCluster
 from rlexp.cluster.pool import RolloutPool
 from rlexp.cluster.ray_cluster import RayCluster
 from rlexp.cluster.trainer_group import TrainerGroup
+from rlexp.data.shapes import ShapesSource
+from rlexp.data.sources import (
+    ArithmeticSource,
+    HFDiskSource,
+    HubSource,
+    JsonlSource,
+    ParquetSource,
+    PromptSource,
+)
 from rlexp.evaluator import Evaluator
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
@@ -35,6 +44,7 @@ from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.tools.calculator import Calculator
 from rlexp.tools.python_sandbox import PythonExpression
+from rlexp.tools.zoom import Zoom
 from rlexp.tracking.mlflow_tracker import MlflowTracker
 from rlexp.trainer.controller import TrainController
 from rlexp.weights import protocols as W
@@ -44,6 +54,7 @@ from rlexp.weights.vllm_ipc import VllmIpcTransport
 from rlexp.weights.vllm_nccl import VllmNcclTransport
 
 TRANSPORTS = (RamFileTransport, ObjectStoreTransport, VllmIpcTransport, VllmNcclTransport)
+SOURCES = (ArithmeticSource, JsonlSource, ParquetSource, HFDiskSource, HubSource, ShapesSource)
 FITS = [
     (VLLMEngine, P.RolloutEngine), (HFEngine, P.RolloutEngine), (RolloutPool, P.RolloutEngine),
     *[(engine, W.LoadsWeightFiles) for engine in (VLLMEngine, HFEngine, RolloutPool)],
@@ -59,7 +70,8 @@ FITS = [
     (SyncScheduler, P.Scheduler), (AsyncScheduler, P.Scheduler),
     (TrainController, P.Trainer), (TrainerGroup, P.Trainer),
     (Evaluator, P.Evaluator), (MlflowTracker, P.Tracker),
-    (Calculator, P.Tool), (PythonExpression, P.Tool),
+    (Calculator, P.Tool), (PythonExpression, P.Tool), (Zoom, P.Tool), (MethodTool, P.Tool),
+    *[(source, PromptSource) for source in SOURCES],
 ]
 
 
@@ -124,9 +136,11 @@ def test_every_attribute_of_the_protocol_is_set(impl, protocol):
 
 
 def test_the_protocols_with_attributes_are_checked_for_them():
-    assert _attributes(P.RolloutEngine) == {"version", "sampling", "max_model_len", "busy"}
-    assert _attributes(W.WeightTransport) == {"engine_backend"}
-    assert _attributes(Cluster) == {"name", "multi_node", "placement", "trainer_workers"}
+    assert _attributes(P.RolloutEngine) == {"version", "sampling", "max_model_len", "busy", "takes_images",
+                                            "constrains_replies"}
+    assert _attributes(W.WeightTransport) == {"engine_backend", "sends_from_driver"}
+    assert _attributes(Cluster) == {"name", "multi_node", "placement", "trainer_workers", "distributed"}
+    assert _attributes(PromptSource) == {"commit"} and _attributes(P.Tool) == {"spec", "reads_images"}
     assert "shutdown" in _methods(Cluster) and "rollout_engine" in _methods(Cluster)
 
 
@@ -143,6 +157,8 @@ def test_the_checks_catch_a_component_that_does_not_fit():
         test_every_method_of_the_protocol_is_there_with_its_parameters(OldJudge, P.Judge)
 
     class Transport:  # the methods, but no engine_backend
+        sends_from_driver = False
+
         def __init__(self):
             self.backend = None
 
@@ -162,7 +178,7 @@ def test_the_checks_catch_a_component_that_does_not_fit():
             self.version, self.sampling = 0, None  # no max_model_len, no busy
 
     test_every_attribute_of_the_protocol_is_set(Engine, W.WeightTransport)
-    with pytest.raises(AssertionError, match="max_model_len|busy"):
+    with pytest.raises(AssertionError, match="max_model_len|busy|takes_images|constrains_replies"):
         test_every_attribute_of_the_protocol_is_set(Engine, P.RolloutEngine)
 
 
@@ -202,6 +218,10 @@ if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit it
     def _rest(e: Evaluator, m: MlflowTracker) -> tuple[P.Evaluator, P.Tracker]:
         return e, m
 
-    def _tools(a: Calculator, b: PythonExpression) -> list[P.Tool]:
-        return [a, b]
+    def _tools(a: Calculator, b: PythonExpression, c: Zoom, d: MethodTool) -> list[P.Tool]:
+        return [a, b, c, d]
+
+    def _sources(a: ArithmeticSource, b: JsonlSource, c: ParquetSource, d: HFDiskSource, e: HubSource,
+                 f: ShapesSource) -> list[PromptSource]:
+        return [a, b, c, d, e, f]
 

@@ -19,7 +19,7 @@ from rlexp.weights.auto import auto_transport
 from rlexp.weights.object_store import ObjectStoreTransport
 from rlexp.weights.protocols import in_process
 from rlexp.weights.ram_file import RamFileTransport
-from tests.test_engines import TEMPERATURE, _check_engine, _max_logprob_diff, _prompts, _trainer
+from tests.engine_helpers import TEMPERATURE, _check_engine, _max_logprob_diff, _prompts, _trainer
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="NCCL needs the trainer and the engine on different GPUs")

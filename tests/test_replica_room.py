@@ -7,7 +7,7 @@ import logging
 
 from rlexp.cluster.pool import RolloutPool
 from rlexp.cluster.replica import room_report
-from tests.test_cluster import SAMPLING, FakeReplica
+from tests.test_pool import SAMPLING, FakeReplica
 
 BUNDLE = {"CPU": 2.0}
 ALIVE = "aaaa1111" + "0" * 48  # Ray's node ids: 56 hex digits; the pool keeps their first 8

@@ -12,10 +12,10 @@ import pytest
 from rlexp.agents.single_turn import request_seed
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
-from rlexp.loop import rl_step
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.step import rl_step
 from tests.fakes import TimedEngine, VersionOnlyTransport
 
 PROMPT = [1, 2, 3]

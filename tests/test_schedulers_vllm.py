@@ -17,10 +17,10 @@ from rlexp.agents.single_turn import SingleTurnAgent
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.judges.math_exact import MathExactJudge
-from rlexp.loop import rl_step
 from rlexp.sample import SamplingConfig, Status
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.step import rl_step
 from rlexp.weights.ram_file import RamFileTransport
 from tests.conftest import vllm_on_thread
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import openai
+import pytest
 
 from rlexp.chat.client import SessionStore
 from rlexp.chat.server import ChatServer
@@ -93,3 +94,31 @@ def test_stop_strings_are_left_out_of_the_reply_and_kept_in_the_session():
     # /v1/completions: the text before the earliest stop string, streamed or not
     assert completion.choices[0].text == "Sure" == "".join(c.choices[0].text for c in completion_chunks)
     assert completion.choices[0].model_extra["token_ids"] == tok.encode("Sure,", add_special_tokens=False)
+
+
+class RejectingEngine(ScriptedEngine):
+    """Refuses every request, as an engine's own input check does (a ValueError)."""
+
+    async def generate(self, token_ids, sampling, images=None):
+        raise ValueError("no such request")
+
+
+def test_a_streamed_request_the_engine_rejects_is_a_400_before_any_chunk(tokenizer):
+    """Streamed through the Protocol's `generate_streaming` (this engine cannot stream): the
+    stream starts at the first tokens, so the rejection is an ordinary error answer."""
+    store = SessionStore(RejectingEngine(tokenizer, []), tokenizer, max_context=512)
+
+    async def go():
+        server = ChatServer(store)
+        await server.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+            sid = store.open()
+            with pytest.raises(openai.BadRequestError, match="the engine rejected the request"):
+                await client.chat.completions.create(model="policy", messages=USER, stream=True,
+                                                     extra_body={"session_id": sid})
+            return store.close(sid)
+        finally:
+            await server.stop()
+
+    assert asyncio.run(go()).branches == []

@@ -16,10 +16,10 @@ from rlexp.algorithms.kl import kl_estimate
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.errors import SyncMismatch, SyncUnchecked
-from rlexp.loop import rl_step
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.schedulers.async_scheduler import AsyncScheduler
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.step import rl_step
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.sync_check import AUTO_BOUNDS, SyncCheck, check_compared, check_versions, resolve_bound
 from tests.fakes import TimedEngine, VersionOnlyTransport

@@ -27,7 +27,7 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 def vlm_path(tmp_path_factory) -> str:
     from rlexp.models.vlm import build_vlm_model
 
-    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0)
+    return build_vlm_model(str(tmp_path_factory.mktemp("vlm")), seed=0, warm_start_steps=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
-"""An agent of your own: any class with `async rollout(sample)` and `async aclose()`, built
-with the run's `engine`, `tokenizer` and `judge` (and `sampling` for evaluation)."""
+"""An agent of your own: `async rollout(sample)` and `async aclose()`, built with the run's
+`engine`, `tokenizer` and `judge` (and `sampling` for evaluation). Subclassing `Agent` gives it
+the Protocol's defaults of what an agent declares (`sends_images = False`)."""
 
 from dataclasses import replace
 
 from rlexp.agents.single_turn import request_seed
+from rlexp.protocols import Agent
 from rlexp.sample import Status, TokenTrace
 
 
-class HintAgent:
+class HintAgent(Agent):
     """One reply to the prompt with `hint` appended to the question. Tokens are the truth: the
     trace holds the prompt's ids and the engine's ids with their logprobs, never re-tokenized text."""
 

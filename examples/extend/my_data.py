@@ -1,12 +1,13 @@
-"""A data source of your own: any class with `problems(split) -> list[Problem]`."""
+"""A data source of your own: a PromptSource, with `problems(split) -> list[Problem]` (and the
+Protocol's `commit`, inherited)."""
 
 import csv
 import random
 
-from rlexp.data.sources import Problem
+from rlexp.data.sources import Problem, PromptSource
 
 
-class CsvSource:
+class CsvSource(PromptSource):
     """Rows `question,answer` of a CSV file with a header; `eval_size` rows held out by `seed`."""
 
     def __init__(self, path: str, eval_size: int, seed: int, system_prompt: str | None = None):

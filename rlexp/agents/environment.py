@@ -91,6 +91,8 @@ class MethodTool:
     """An environment instance's method as a Tool: the call's JSON arguments as keywords, the
     result as text (a string as is, None as "", anything else as JSON)."""
 
+    reads_images = False
+
     def __init__(self, method: Callable[..., Any], spec: dict[str, Any]):
         self.method, self.spec = method, spec
         self.signature = inspect.signature(method)
@@ -258,6 +260,8 @@ class OpenEnvAgent:
     started when the agent is built and shared with the run's other agent (evaluation).
     `max_sessions`: episodes at once (rollouts beyond wait for one to end). `tool_name`: what
     the policy calls the step tool."""
+
+    sends_images = False
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, environment: str,
                  python: str = ".venv-openenv/bin/python", max_sessions: AtLeast1 = 256,

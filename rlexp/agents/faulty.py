@@ -23,6 +23,8 @@ class FaultyAgent:
     """`inner`: the wrapped agent's class or a partial of it (built with the same runtime
     arguments as any agent)."""
 
+    sends_images = False
+
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, inner: Callable[..., Agent],
                  sampling: SamplingConfig | None = None, raise_rate: Fraction = 0.0,
                  hang_rate: Fraction = 0.0, hang_s: float = 3600.0, seed: int = 0):

@@ -61,7 +61,7 @@ async def call_tool(tools: Mapping[str, Tool], name: str, arguments: str,
         return f"error: unknown tool {name!r}; available: {', '.join(tools)}", False
     try:
         result = await (cast(ImageTool, tool)(arguments, images=images)
-                        if getattr(tool, "reads_images", False) else tool(arguments))
+                        if tool.reads_images else tool(arguments))
     except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError, OverflowError) as e:
         return f"error: {type(e).__name__}: {e}", False
     return result, not (isinstance(result, str) and result.startswith("error:"))

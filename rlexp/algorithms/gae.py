@@ -61,7 +61,7 @@ class GAE:
     needs_values = True
     min_samples_per_prompt = 1  # no group baseline: one sample per prompt is enough
 
-    def __init__(self, gamma: Positive = 1.0, lam: float = 1.0, whiten: bool = True):
+    def __init__(self, gamma: Positive = 1.0, lam: float = 0.95, whiten: bool = True):
         if not 0.0 <= lam <= 1.0 or gamma > 1.0:
             raise ValueError(f"GAE needs 0 <= lam <= 1 and 0 < gamma <= 1, got lam={lam}, gamma={gamma}")
         self.gamma, self.lam, self.whiten = gamma, lam, whiten

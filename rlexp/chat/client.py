@@ -175,25 +175,23 @@ class SessionStore:
     async def _generate_choice(self, token_ids: list[int], sampling: SamplingConfig, index: int,
                                stream: ChunkStream | None, token_by_token: bool,
                                images: list[Any] | None = None) -> Generation:
-        """One choice; streamed token by token when the reply's text is final as it comes
-        (`token_by_token`, a sampling that never restarts, no alternatives to report, an
-        engine that streams), else its chunks come when it is whole. `images`: one per image
-        in `token_ids` (a vision-language model's)."""
-        if stream is None:
-            return await self._generate(token_ids, sampling, images=images)
-        streaming = getattr(self.engine, "generate_streaming", None)
-        if not (token_by_token and streaming and not sampling.depends_on_the_reply
-                and not sampling.top_logprobs):
+        """One choice; streamed token by token as the engine reports them when the reply's
+        text is final as it comes (`token_by_token`, a sampling that never restarts, no
+        alternatives to report), else its chunks come when it is whole. A choice's stream
+        starts at its first tokens, so that a request the engine rejects is a plain 4xx
+        answer. `images`: one per image in `token_ids` (a vision-language model's)."""
+        if stream is None or not (token_by_token and not sampling.depends_on_the_reply
+                                  and not sampling.top_logprobs):
             gen = await self._generate(token_ids, sampling, images=images)
-            stream.start(index)  # after it: a request the engine rejects is still a plain 4xx answer
-            return gen
-        stream.start(index)
+        else:
+            def on_tokens(ids: list[int], logprobs: list[float]) -> None:
+                stream.tokens(index, ids, self._token_logprobs(Generation(ids, logprobs, "", [])))
 
-        def on_tokens(ids: list[int], logprobs: list[float]) -> None:
-            stream.tokens(index, ids, self._token_logprobs(Generation(ids, logprobs, "", [])))
-
-        return await self._generate(token_ids, sampling,
-                                    lambda: streaming(token_ids, sampling, on_tokens, images=images))
+            gen = await self._generate(token_ids, sampling, lambda: self.engine.generate_streaming(
+                token_ids, sampling, on_tokens, images=images))
+        if stream:
+            stream.start(index)
+        return gen
 
     async def complete(self, request: dict[str, Any] | CompletionRequest, emit: Emit | None = None
                        ) -> dict[str, Any]:

@@ -4,8 +4,8 @@ The session records a streamed reply exactly as a non-streamed one: the chunks a
 view of the same generation, and the reply is recorded once it is whole. Text streams token
 by token where each token's text is final when it is generated: a plain reply. A reply the
 server must see whole before it can say what it is (one that may hold tool calls, one cut at
-`stop` strings) comes as one chunk when it ends; so does a reply from an engine that does not
-stream (`generate_streaming`)."""
+`stop` strings) comes as one chunk when it ends; a reply from an engine that cannot stream
+comes whole as its one batch of tokens (`RolloutEngine.generate_streaming`'s default)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ class ChunkStream:
         return {"index": index, "text": text, "finish_reason": None, "logprobs": None} | fields
 
     def start(self, index: int) -> None:
+        """Choice `index` begins (chat: its role chunk), at its first tokens or once it is
+        whole, whichever comes first; once."""
+        if index in self._ids:
+            return
         self._ids[index], self._sent[index] = [], ""
         if self.chat:
             self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
@@ -47,6 +51,7 @@ class ChunkStream:
     def tokens(self, index: int, ids: list[int], logprobs: list[dict[str, Any]]) -> None:
         """New tokens of choice `index`: their text (held back while it ends in an incomplete
         character), token ids and logprobs."""
+        self.start(index)
         self._ids[index] += ids
         text = self.tokenizer.decode(self._ids[index], skip_special_tokens=True)
         new = text[len(self._sent[index]):] if not text.endswith("\ufffd") else ""

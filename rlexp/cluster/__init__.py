@@ -24,6 +24,8 @@ class Cluster(ClusterShape, Protocol):
     """Where the rollout engines and the trainer run; its attributes (`ClusterShape`) are what
     a weight transport reads of it."""
 
+    distributed: bool = False  # rollout replicas and trainer ranks run as actors of their own
+
     def rollout_engine(self, rollout: DictConfig, model_path: str,
                        transport: WeightTransport) -> RolloutEngine:
         """The `rollout` group's engine, or a pool of them, started as `transport` needs."""

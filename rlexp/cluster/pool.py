@@ -8,15 +8,15 @@ RolloutEngine Protocol, so schedulers, agents and the chat server use it unchang
 - Accounting is counted here, from the generations that come back (the replicas' own
   counters live in other processes).
 - Faults: a replica whose actor dies, or that does not answer a call within
-  `call_timeout_s`, is taken out of routing; its requests are retried on the others
-  (per-request seeds give the same tokens). Ray restarts the actor (its engine starts from
-  the model path, on another node if its own is gone); the pool then loads the current
-  weights and version into it before routing to it again. A replica not back within
-  `restart_timeout_s` (no node has room for it) is lost for good: one log line names it and
-  its node, and the pool goes on with the others. Where, at the loss, its node is gone and no
-  live node has room for its bundle (`room`: Ray's available resources), the loss line says
-  so: it comes back only if a node with room joins in time. With no replica left the run stops
-  (EngineDead: resume hint).
+  `call_timeout_s` (one call to one replica: rlexp/cluster/replica_calls.py), is taken out
+  of routing; its requests are retried on the others (per-request seeds give the same
+  tokens). Ray restarts the actor (its engine starts from the model path, on another node
+  if its own is gone); the pool then loads the current weights and version into it before
+  routing to it again. A replica not back within `restart_timeout_s` (no node has room for
+  it) is lost for good: one log line names it and its node, and the pool goes on with the
+  others. Where, at the loss, its node is gone and no live node has room for its bundle
+  (`room`: Ray's available resources), the loss line says so: it comes back only if a node
+  with room joins in time. With no replica left the run stops (EngineDead: resume hint).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from rlexp.cluster.replica_calls import ReplicaTimeout, answer, first_line, is_lost, restarted
 from rlexp.errors import EngineDead
+from rlexp.protocols import RolloutEngine
 from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.weights.protocols import EngineProcess
@@ -38,34 +40,13 @@ from rlexp.weights.protocols import EngineProcess
 log = logging.getLogger(__name__)
 
 
-class ReplicaTimeout(Exception):
-    """A replica did not answer a call within `call_timeout_s` (not a TimeoutError: that one
-    is a restart not done in time)."""
-
-
-def _lost(e: BaseException) -> bool:
-    from ray.exceptions import RayActorError
-
-    return isinstance(e, (RayActorError, ReplicaTimeout))
-
-
-async def answer(ref: Any, timeout_s: float, what: str) -> Any:
-    """`await ref`, a Ray call, for at most `timeout_s` (then cancelled: ReplicaTimeout)."""
-    try:
-        return await asyncio.wait_for(ref, timeout_s)
-    except TimeoutError:
-        import ray
-
-        ray.cancel(ref)
-        raise ReplicaTimeout(f"{what} did not answer within {timeout_s:g}s") from None
-
-
-class RolloutPool:
+class RolloutPool(RolloutEngine):
     """`actors`: EngineReplica handles (already placed); `nodes`: the node id of each.
     `sampling` / `max_model_len`: the engines' settings (the same for all).
     `call_timeout_s`: the longest any one call on a replica may take (a generation, a weight
     load); `restart_timeout_s`: how long a lost replica may take to come back. `room(node)`:
-    why a replica lost with `node` cannot come back now (replica.no_room), or None."""
+    why a replica lost with `node` cannot come back now (replica.no_room), or None. A reply
+    comes back from its replica whole: `generate_streaming` is the Protocol's default."""
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
@@ -136,7 +117,7 @@ class RolloutPool:
                 ray.cancel(ref)
                 raise
             except Exception as e:
-                if not (isinstance(e, EngineDead) or _lost(e)):
+                if not (isinstance(e, EngineDead) or is_lost(e)):
                     raise
                 failed.add(i)
                 self._replica_lost(i, "a generation", e)
@@ -173,7 +154,7 @@ class RolloutPool:
                 if why else f"it comes back within {self.restart_timeout_s:g}s")
         log.warning("rollout replica %d lost during %s (node %s): %s; %d replica(s) serving, %s "
                     "(cluster.restart_timeout_s) or is given up", i, during, self.nodes[i],
-                    _first_line(error), sum(self._healthy), back)
+                    first_line(error), sum(self._healthy), back)
         if isinstance(error, (EngineDead, ReplicaTimeout)):
             import ray
 
@@ -187,7 +168,7 @@ class RolloutPool:
 
         t0 = time.monotonic()
         try:
-            node, _, _ = await self._restarted(i, t0 + self.restart_timeout_s)
+            node, _, _ = await restarted(self.actors[i], t0 + self.restart_timeout_s)
             self.nodes[i] = node[:8]  # as Ray's CLI shows it
             async with self._update:  # routed again before the next update starts
                 await self._catch_up(i)
@@ -200,23 +181,12 @@ class RolloutPool:
             log.warning("rollout replica %d restarted by Ray on node %s; serves policy version %d (%.1fs)",
                         i, self.nodes[i], version, time.monotonic() - t0)
         except (ActorDiedError, ReplicaTimeout) as e:
-            self._give_up(i, _first_line(e))
+            self._give_up(i, first_line(e))
         except TimeoutError:
             self._give_up(i, f"not running again within {self.restart_timeout_s:g}s of its loss "
                              "(cluster.restart_timeout_s): no node has room for it")
         finally:
             self._recovering.pop(i, None)
-
-    async def _restarted(self, i: int, deadline: float) -> tuple[str, int, int]:
-        """Replica `i`'s ready() once Ray has restarted it (TimeoutError past `deadline`)."""
-        from ray.exceptions import ActorUnavailableError
-
-        while True:
-            try:
-                return await asyncio.wait_for(self.actors[i].ready.remote(),
-                                              max(deadline - time.monotonic(), 0.0))
-            except ActorUnavailableError:  # restarting
-                await asyncio.sleep(0.5)
 
     async def _catch_up(self, i: int) -> None:
         """The current weights, sleep and pause state into restarted replica `i`."""
@@ -249,7 +219,7 @@ class RolloutPool:
                                        return_exceptions=True)
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
-                if not _lost(r):
+                if not is_lost(r):
                     raise r
                 self._replica_lost(i, "a call to every replica (pause, resume or a weight sync)", r)
         if not any(self._healthy) and not self._recovering:
@@ -360,8 +330,3 @@ class RolloutPool:
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__

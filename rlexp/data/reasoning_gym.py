@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlexp.constraints import AtLeast1
-from rlexp.data.sources import Problem, _messages
+from rlexp.data.sources import Problem, PromptSource, _messages
 
 # A name of reasoning_gym.utils.SYSTEM_PROMPTS ("default": think, then <answer>...</answer>)
 DEFAULT_SYSTEM_PROMPT = "default"
@@ -184,7 +184,7 @@ def _jsonable(entry: dict[str, Any], task: str) -> dict[str, Any]:
     return entry
 
 
-class ReasoningGymSource:
+class ReasoningGymSource(PromptSource):
     """reasoning-gym tasks (`tasks`: one name, a list, or a mapping name -> {weight, config,
     seed}: `parse_tasks`). Each split's entries are drawn task by task in the weights'
     proportions (a seeded draw per entry, as reasoning-gym's composite dataset draws them):

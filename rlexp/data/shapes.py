@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from rlexp.data.sources import Problem
+from rlexp.data.sources import Problem, PromptSource
 
 QUESTION = "How many shapes are in the picture? Answer with a number."
 COLORS = ("red", "blue", "green", "orange", "purple", "black")
@@ -33,7 +33,7 @@ def draw(seed: int, count: int, image_size: int = 64):
     return img
 
 
-class ShapesSource:
+class ShapesSource(PromptSource):
     """`train_size` + `eval_size` problems, counts uniform in 1..max_shapes, drawn from `seed`."""
 
     def __init__(self, max_shapes: int = 4, image_size: int = 64, train_size: int = 2000,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ from typing import Any, Protocol
 from rlexp.data import arithmetic
 from rlexp.data.hub import resolve
 from rlexp.data.images import load_images
+
+# The reference answer after GSM8K's "####" (the file and hub sources' default `answer_pattern`)
+GSM8K_ANSWER = r"####\s*(.+)$"
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Problem:
 
 
 class PromptSource(Protocol):
+    commit: str | None = None  # the hub commit the data were read at (HubSource), logged with the run
+
     def problems(self, split: str) -> list[Problem]:
         """The prompts of a split ("train" or "eval"), in a fixed order."""
         ...
@@ -50,7 +56,7 @@ def _messages(question: str, system_prompt: str | None, images: list | None = No
     return system + [{"role": "user", "content": content}]
 
 
-class ArithmeticSource:
+class ArithmeticSource(PromptSource):
     """`a<op>b=` with operands in 0..max_operand; `eval_size` problems held out by `seed`."""
 
     def __init__(self, max_operand: int, ops: str, eval_size: int, seed: int,
@@ -63,13 +69,14 @@ class ArithmeticSource:
         return [Problem(_messages(q, self.system_prompt), a) for q, a in pairs]
 
 
-class _RowSource:
+class _RowSource(PromptSource):
     """What the file sources share (the one owner of it): a row, a mapping of field names
     to values, becomes a Problem by `question_key` / `answer_key` (a string or a number);
     if `answer_pattern` is set, the reference answer is its first group in the answer field
-    (GSM8K: `####\\s*(.+)$`). With `image_key` set, that field names the row's images
-    (rlexp/data/images.py: one or a list, paths relative to `base`, bytes, or `datasets` Image
-    dicts) and the question becomes image parts then a text part, for a vision-language model.
+    (GSM8K's, the default: `GSM8K_ANSWER`; None: the whole field). With `image_key` set,
+    that field names the row's images (rlexp/data/images.py: one or a list, paths relative to
+    `base`, bytes, or `datasets` Image dicts) and the question becomes image parts then a text
+    part, for a vision-language model.
     The eval split is the eval rows, or else `eval_size` train rows held out by `seed`.
     Subclasses read their format and call `_map` and `_split`."""
 
@@ -138,18 +145,28 @@ class _RowSource:
         return Problem(_messages(question, self.system_prompt, images), answer, where)
 
 
-class JsonlSource(_RowSource):
-    """One JSON object per line; rows are named `file:line`. Fields and hold-out: `_RowSource`.
-    Without `eval_path`, `eval_size` rows of the train file are held out by `seed`. Image
-    paths (`image_key`) are relative to the file's directory."""
+class _FileSource(_RowSource):
+    """A source read from one local file per split, in the format its subclass reads
+    (`_load`): `train_path`, and `eval_path` or else `eval_size` train rows held out by `seed`.
+    The constructor both file formats share, its arguments the keys of their config groups."""
 
     def __init__(self, train_path: str, eval_path: str | None = None,
                  question_key: str = "question", answer_key: str = "answer",
-                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 answer_pattern: str | None = GSM8K_ANSWER, eval_size: int = 200, seed: int = 0,
                  system_prompt: str | None = None, image_key: str | None = None):
         self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
                     train_path)
+
+    @abstractmethod
+    def _load(self, name: str) -> list[Problem]:
+        """The problems of the file `name`, checked row by row."""
+
+
+class JsonlSource(_FileSource):
+    """One JSON object per line; rows are named `file:line`. Fields and hold-out: `_RowSource`.
+    Without `eval_path`, `eval_size` rows of the train file are held out by `seed`. Image
+    paths (`image_key`) are relative to the file's directory."""
 
     def _load(self, name: str) -> list[Problem]:
         path = _local_file(name)
@@ -169,19 +186,11 @@ class JsonlSource(_RowSource):
         return row
 
 
-class ParquetSource(_RowSource):
+class ParquetSource(_FileSource):
     """A local Parquet file, one problem per row; rows are named `file: row i` (from 0, as
     `pandas.read_parquet(file).iloc[i]`). Fields and hold-out as JsonlSource (`_RowSource`);
     only the keys' columns are read. Images (`image_key`): paths relative to the file's
     directory, bytes, or `datasets` Image dicts."""
-
-    def __init__(self, train_path: str, eval_path: str | None = None,
-                 question_key: str = "question", answer_key: str = "answer",
-                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
-                 system_prompt: str | None = None, image_key: str | None = None):
-        self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
-        self._split(self._load(train_path), self._load(eval_path) if eval_path else None, eval_size, seed,
-                    train_path)
 
     def _load(self, name: str) -> list[Problem]:
         import pyarrow as pa
@@ -215,7 +224,7 @@ class HFDiskSource(_RowSource):
 
     def __init__(self, train_path: str, eval_path: str | None = None, train_split: str = "train",
                  eval_split: str | None = None, question_key: str = "question", answer_key: str = "answer",
-                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 answer_pattern: str | None = GSM8K_ANSWER, eval_size: int = 200, seed: int = 0,
                  system_prompt: str | None = None, image_key: str | None = None):
         self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         train = self._load(train_path, train_split, "train_split")
@@ -287,7 +296,7 @@ class HubSource(_RowSource):
     def __init__(self, name: str, config: str | None = None, train_split: str = "train",
                  eval_split: str | None = None, revision: str | None = None,
                  question_key: str = "question", answer_key: str = "answer",
-                 answer_pattern: str | None = None, eval_size: int = 200, seed: int = 0,
+                 answer_pattern: str | None = GSM8K_ANSWER, eval_size: int = 200, seed: int = 0,
                  system_prompt: str | None = None, image_key: str | None = None):
         self._fields(question_key, answer_key, answer_pattern, system_prompt, image_key)
         snapshot = resolve(name, revision, "dataset", "name", "revision")

@@ -17,11 +17,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from rlexp.data.sources import Problem
+from rlexp.data.sources import Problem, PromptSource
 from rlexp.envs.verifiers import DEFAULT_PYTHON, list_tasks, spec
 
 
-class VerifiersSource:
+class VerifiersSource(PromptSource):
     """`env_id`: the verifiers taskset id (an importable module exporting its Taskset);
     `env_args`: the env's config (verifiers' EnvConfig fields: taskset, agent, ...);
     `eval_args`: taskset config fields of the env's own eval split (null: hold out

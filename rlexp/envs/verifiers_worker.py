@@ -1,7 +1,8 @@
 """Runs a verifiers environment (verifiers 0.4, `verifiers.v1`) for rlexp, in verifiers' own
 venv: rlexp starts it as `.venv-verifiers/bin/python <this file> --spec JSON`. Run as a file,
 it imports nothing of rlexp (stdlib and verifiers only; the protocol's child side,
-rlexp/envs/child.py, is loaded by its path).
+rlexp/envs/child.py, and rlexp's changes to verifiers, rlexp/envs/verifiers_patches.py, are
+loaded by their paths).
 
 The spec (JSON) says what to load:
     env_id      verifiers' own id of the taskset: an importable module (or package) exporting
@@ -38,12 +39,10 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import hashlib
 import importlib.util
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,9 +53,9 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 
-def load_child():
-    """rlexp/envs/child.py, by its path, under a name no user module has."""
-    spec = importlib.util.spec_from_file_location("_rlexp_env_child", HERE / "child.py")
+def load_sibling(name: str):
+    """rlexp/envs/<name>.py, by its path, under a name no user module has."""
+    spec = importlib.util.spec_from_file_location(f"_rlexp_env_{name}", HERE / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -178,9 +177,10 @@ class VerifiersEnv:
                 "eval": None if held_out is None else [self.problem(t) for t in held_out]}
 
     async def start(self) -> dict[str, Any]:
+        patches = load_sibling("verifiers_patches")
         if self.spec.get("local_scripts", True):
-            run_scripts_locally()
-        drop_tool_call_indexes()
+            patches.run_scripts_locally()
+        patches.drop_tool_call_indexes()
         self._serving = contextlib.AsyncExitStack()
         await self._serving.enter_async_context(self.env.serving())
         return self.info()
@@ -255,86 +255,6 @@ def summary(episode) -> dict[str, Any]:
     return out
 
 
-_DEPENDENCIES = re.compile(r"^# dependencies = (\[.*\])$", re.M)
-
-
-def missing_packages(script: bytes) -> list[str]:
-    """The PEP 723 dependencies of `script` this Python does not have (as pinned there)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    m = _DEPENDENCIES.search(script.decode(errors="replace"))
-    missing = []
-    for req in json.loads(m.group(1)) if m else []:
-        try:
-            from packaging.requirements import Requirement
-
-            parsed = Requirement(req)
-            name, spec = parsed.name, parsed.specifier
-        except ImportError:  # no packaging: the name alone
-            name, spec = re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0], None
-        try:
-            have = version(name)
-        except PackageNotFoundError:
-            missing.append(req)
-            continue
-        if spec is not None and not spec.contains(have, prereleases=True):
-            missing.append(f"{req} (have {have})")
-    return missing
-
-
-def run_scripts_locally() -> None:
-    """The subprocess runtime runs a harness program (a PEP 723 script) with this Python when
-    this venv has every package the script declares; otherwise as verifiers does (uv resolves
-    them, which needs the network the first time)."""
-    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
-
-    original = SubprocessRuntime.prepare_uv_script
-    if getattr(original, "_rlexp_local", False):
-        return
-    directory = Path(SubprocessRuntime.scripts_dir + "-local")
-
-    async def prepare_uv_script(self, script, env=None, *, activate=True):
-        data = script.encode() if isinstance(script, str) else script
-        missing = missing_packages(data)
-        if missing:
-            logging.getLogger("rlexp.verifiers").warning(
-                "harness script needs %s, not in %s: verifiers' uv resolves it", missing, sys.prefix)
-            return await original(self, script, env, activate=activate)
-        path = directory / f"{hashlib.sha256(data).hexdigest()}.py"
-        if not path.exists():
-            directory.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)
-        return [sys.executable, str(path)]
-
-    prepare_uv_script._rlexp_local = True  # type: ignore[attr-defined]
-    SubprocessRuntime.prepare_uv_script = prepare_uv_script  # type: ignore[method-assign]
-
-
-def drop_tool_call_indexes() -> None:
-    """verifiers' chat program sends its earlier replies back with an `index` in each tool
-    call (the OpenAI SDK's stream accumulation keeps it). It means nothing in a request, and
-    rlexp's server refuses fields it does not know (400): it is dropped on the way out."""
-    from verifiers.v1.dialects.chat import ChatDialect
-
-    original = ChatDialect.apply_overrides
-    if getattr(original, "_rlexp", False):
-        return
-
-    def apply_overrides(self, body, model, sampling):
-        body = original(self, body, model, sampling)
-        for message in body.get("messages") or []:
-            calls = message.get("tool_calls") if isinstance(message, dict) else None
-            for call in calls or []:
-                if isinstance(call, dict):
-                    call.pop("index", None)
-        return body
-
-    apply_overrides._rlexp = True  # type: ignore[attr-defined]
-    ChatDialect.apply_overrides = apply_overrides  # type: ignore[method-assign]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", required=True, help="what to load (JSON; see the module docstring)")
@@ -342,7 +262,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    child = load_child()
+    child = load_sibling("child")
     spec = json.loads(args.spec)
     if args.list:
         out = child.take_stdout()

@@ -98,7 +98,7 @@ class RewardModelJudge(Judge):
     reward model (`model_path`, one label, run locally on the CPU or GPU) gives the prompt and
     the response, rendered with its tokenizer's chat template."""
 
-    def __init__(self, model_path: str, weight: float = 1.0, sigmoid: bool = False,
+    def __init__(self, model_path: str, weight: float = 1.0, sigmoid: bool = True,
                  max_length: AtLeast1 = 1024):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

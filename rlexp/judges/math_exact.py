@@ -51,7 +51,7 @@ class MultiTurnJudge(Judge):
     reward = correct_reward * discount ** (assistant turns - 1). Per-turn correctness is kept
     in `reward_components` (`turn_1`, `turn_2`, ...)."""
 
-    def __init__(self, correct_reward: float = 1.0, discount: float = 1.0):
+    def __init__(self, correct_reward: float = 1.0, discount: float = 0.8):
         self.correct_reward = correct_reward
         self.discount = discount
 

@@ -50,7 +50,7 @@ def build_vlm_model(
     image_size: int = 64,
     patch_size: int = 16,
     scale_factor: int = 2,
-    warm_start_steps: int = 0,
+    warm_start_steps: int = 400,
     warm_start_batch_size: int = 32,
     warm_start_lr: float = 0.003,
     warm_start_target_accuracy: float = 0.35,

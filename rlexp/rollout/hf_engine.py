@@ -4,6 +4,7 @@ without vLLM. Concurrent requests with equal sampling settings are batched toget
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
@@ -26,13 +27,13 @@ class HFEngine:
         self,
         model_path: str,
         dtype: Dtype = "float32",
-        max_model_len: AtLeast2 = 512,
+        max_model_len: AtLeast2 = 256,
         max_batch_size: AtLeast1 = 256,
         # sampling defaults (engine.sampling), as for every engine
         seed: int = 0,
         temperature: Temperature = 1.0,
         top_p: TopP = 1.0,
-        max_response_tokens: AtLeast1 = 16,
+        max_response_tokens: AtLeast1 = 8,
         replicas: AtLeast1 = 1,  # a pool's (cluster=ray); config.py rejects more on one engine
         gpus_per_replica: AtLeast1 = 1,  # one device per replica: no tensor parallelism here
     ):
@@ -57,6 +58,13 @@ class HFEngine:
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list | None = None) -> Generation:
+        return await self.generate_streaming(token_ids, sampling, None, images)
+
+    async def generate_streaming(self, token_ids: list[int], sampling: SamplingConfig,
+                                 on_tokens: Callable[[list[int], list[float]], None] | None,
+                                 images: list | None = None) -> Generation:
+        """`generate`; a batch's replies come whole, so `on_tokens` hears a reply once, when
+        it is done."""
         if images:
             raise ValueError("the HF engine takes no images: use rollout=vllm")
         if sampling.requested():
@@ -69,6 +77,8 @@ class HFEngine:
         gen = await fut
         count_generated(len(gen.token_ids))
         self.busy.tokens += len(gen.token_ids)
+        if on_tokens is not None and gen.token_ids:
+            on_tokens(gen.token_ids, gen.logprobs)
         return gen
 
     async def _drain(self) -> None:

@@ -19,21 +19,19 @@ import torch
 
 from rlexp import orphans
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
-from rlexp.errors import EngineDead
 from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
+from rlexp.rollout.vllm_liveness import engine_alive, watched
 from rlexp.rollout.vllm_outputs import reply, report_new
+from rlexp.rollout.vllm_sampling import groupable, sampling_params
 from rlexp.sample import Generation, SamplingConfig, stitch_routing
 from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
 
-_DEAD = ("the vLLM engine process died (killed, out of memory, or crashed; its log is above): "
-         "every request would fail")
-_DEATH_POLL_S = 0.5  # how soon a call into a dead engine gives up
 SHUTDOWN_TIMEOUT_S = 20.0  # for the engine process to exit by itself before vLLM kills it
 
 
@@ -67,9 +65,9 @@ class VLLMEngine:
         seed: int,
         temperature: Temperature = 1.0,
         top_p: TopP = 1.0,
-        max_response_tokens: AtLeast1 = 16,
+        max_response_tokens: AtLeast1 = 8,
         dtype: Dtype = "float32",
-        max_model_len: AtLeast2 = 512,
+        max_model_len: AtLeast2 = 256,
         max_num_seqs: AtLeast1 = 256,
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.3,
@@ -175,45 +173,17 @@ class VLLMEngine:
                        images: list[Any] | None):
         """One request for (what is left of) a completion: with the other samples of its
         group where it can be."""
-        if self._groups is not None and on_tokens is None and not images and self._groupable(sampling):
+        if (self._groups is not None and on_tokens is None and not images
+                and groupable(sampling, self.unsampled, self.routing_capture)):
             return *await self._groups.request(token_ids, sampling), None
         return await self._request(token_ids, sampling, on_tokens, images)
-
-    def _groupable(self, sampling: SamplingConfig) -> bool:
-        """A request that can go out with the other samples of its group as one request with
-        n > 1 (rlexp/rollout/vllm_groups.py): seeded, sampled from the model's distribution
-        (no grammar, penalty or bias, no masked placeholders), nothing fetched per request."""
-        return (sampling.seed is not None and not self.routing_capture and not self.unsampled
-                and not sampling.depends_on_the_reply and not sampling.logit_bias)
-
-    def _params(self, sampling: SamplingConfig, n: int = 1):
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        c = sampling.constraint
-        constraint = None if c is None else StructuredOutputsParams(
-            regex=c.spec if c.kind == "regex" else None, json=c.spec if c.kind == "json_schema" else None,
-            json_object=True if c.kind == "json_object" else None)
-        return SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            seed=sampling.seed,
-            frequency_penalty=sampling.frequency_penalty,
-            presence_penalty=sampling.presence_penalty,
-            logit_bias=(sampling.logit_bias or {}) | dict.fromkeys(self.unsampled, float("-inf")) or None,
-            logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
-            detokenize=False,  # tokens are the source of truth; text is decoded by the caller
-            structured_outputs=constraint,
-            n=n,
-        )
 
     async def _request(self, token_ids: list[int], sampling: SamplingConfig,
                        on_tokens: Callable[[list[int], list[float]], None] | None = None,
                        images: list[Any] | None = None):
         from vllm.inputs import TokensPrompt
 
-        params = self._params(sampling)
+        params = sampling_params(sampling, self.unsampled)
         prompt: TokensPrompt = {"prompt_token_ids": token_ids}
         if images:
             if self._placeholders is None:
@@ -225,7 +195,7 @@ class VLLMEngine:
         request_id = f"r{next(self._ids)}"
         self.busy.enter()
         try:
-            with self._engine_alive():
+            with engine_alive():
                 async for out in self.llm.generate(prompt, params, request_id=request_id):
                     if final is None:
                         # Read at the first output, not at submission: a request that reached the
@@ -265,8 +235,9 @@ class VLLMEngine:
         versions: dict[int, int] = {}
         self.busy.enter()
         try:
-            with self._engine_alive():
-                async for out in self.llm.generate({"prompt_token_ids": token_ids}, self._params(sampling, n),
+            with engine_alive():
+                params = sampling_params(sampling, self.unsampled, n)
+                async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
                                                    request_id=f"r{next(self._ids)}"):
                     for completion in out.outputs:
                         versions.setdefault(completion.index, self.version)
@@ -286,36 +257,10 @@ class VLLMEngine:
             return np.asarray(completion.routed_experts)
         return await self._routing_fetcher.get(request_id)
 
-    @contextlib.contextmanager
-    def _engine_alive(self):
-        """vLLM's EngineDeadError (its engine process died: killed, out of memory, ...) as
-        rlexp's EngineDead, which stops the run instead of failing samples one by one; a
-        request vLLM rejects (VLLMClientError: e.g. a JSON schema its grammar cannot take) as
-        a ValueError, the engine's input error."""
-        from vllm.exceptions import VLLMClientError
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        try:
-            yield
-        except EngineDeadError as e:
-            raise EngineDead(_DEAD) from e
-        except VLLMClientError as e:
-            raise ValueError(str(e)) from e
-
     async def _call(self, call: Awaitable[Any]) -> Any:
-        """Await a call into the engine process (collective_rpc, pause, reset_prefix_cache...).
-        vLLM leaves such a call pending forever if the process dies while it is in flight (its
-        pending utility futures are never failed), so this watches `errored` meanwhile."""
-        task = asyncio.ensure_future(call)
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=_DEATH_POLL_S)
-                if not task.done() and self.llm.errored:
-                    raise EngineDead(_DEAD)
-            with self._engine_alive():
-                return task.result()
-        finally:
-            task.cancel()
+        """Await a call into the engine process, EngineDead if the process dies meanwhile
+        (rlexp/rollout/vllm_liveness.py)."""
+        return await watched(self.llm, call)
 
     async def pause(self, interrupt: bool) -> None:
         self._running.clear()
@@ -374,7 +319,7 @@ class VLLMEngine:
             await self._call(self.llm.wake_up())
 
     def pop_replica_metrics(self) -> dict[str, float]:
-        return {}  # one engine: its numbers are the step's (rlexp/loop.py rl_step)
+        return {}  # one engine: its numbers are the step's (rlexp/step.py rl_step)
 
     def shutdown(self) -> None:
         # Drop the engine now: its destructor calls shutdown again, which fails noisily

@@ -33,6 +33,7 @@ def calculate(expression: str) -> float | int:
 
 class Calculator:
     name = "calculator"
+    reads_images = False
     spec = expression_tool_spec("calculator", "Evaluate an arithmetic expression.")
 
     def __init__(self, timeout_s: float = 2.0):

@@ -60,6 +60,7 @@ async def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int 
 
 class PythonExpression:
     name = "python"
+    reads_images = False
     spec = expression_tool_spec("python", "Evaluate one Python expression (math functions only).")
 
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256):

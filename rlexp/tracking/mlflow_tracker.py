@@ -55,7 +55,7 @@ class MlflowTracker:
     run_name: str | None = None
     log_traces: bool = True
     traces_every_n_steps: AtLeast1 = 1
-    trace_sample_rate: Fraction = 0.0
+    trace_sample_rate: Fraction = 0.01
     run_id: str | None = field(default=None, init=False)
     tags: dict[str, str] = field(default_factory=dict, init=False)  # e.g. the sweep's parent run, job number
     # Trace JSONL files are serialised and written by one background thread, off the loop.

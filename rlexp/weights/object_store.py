@@ -45,6 +45,7 @@ class ObjectStoreTransport:
     told where they are."""
 
     engine_backend = None
+    sends_from_driver = False  # a trainer group's weights too (they reach this process on the CPU)
 
     def __init__(self, cluster: ClusterShape | None = None):
         if cluster is not None and cluster.name != "ray":

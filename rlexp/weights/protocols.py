@@ -21,6 +21,10 @@ class WeightTransport(Protocol):
     Every transport is built with the run's cluster (`cluster=`, a `ClusterShape`), so that
     one that cannot work on it says so before any engine starts."""
 
+    # sends from a trainer in this process (the driver): not from a trainer group's ranks,
+    # so the config check refuses it with trainer.workers > 1
+    sends_from_driver: bool = False
+
     @property
     def engine_backend(self) -> str | None:
         """vLLM's native weight-transfer backend the engine must start with (the engine's
