@@ -1,6 +1,6 @@
 """Scheduler orchestration with a timed fake engine and a fake trainer: the staleness bound,
 admission control, partial rollout, tail batches, filtering. (The real engine's partial
-rollout and sync/async parity with real vLLM are tested in test_engines.py / test_run.py.)"""
+rollout and sync/async parity with real vLLM are tested in test_engines_interrupted.py / test_run.py.)"""
 
 import asyncio
 import random

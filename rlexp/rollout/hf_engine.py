@@ -160,7 +160,7 @@ class HFEngine:
         """Nothing to restore (see `sleep`)."""
 
     def pop_replica_metrics(self) -> dict[str, float]:
-        return {}  # one engine: its numbers are the step's (rlexp/loop.py rl_step)
+        return {}  # one engine: its numbers are the step's (rlexp/step.py rl_step)
 
     def shutdown(self) -> None:
         """No engine process or temporary files to clean up."""
