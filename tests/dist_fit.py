@@ -22,9 +22,14 @@ from PIL import Image, ImageDraw
 from transformers import AutoConfig, AutoTokenizer
 
 from rlexp.algorithms.advantages import GroupNormalized
-from rlexp.algorithms.aggregation import SeqMeanTokenMean, SeqMeanTokenSum, SeqMeanTokenSumNorm, TokenMean
 from rlexp.algorithms.gae import GAE
-from rlexp.algorithms.kl import KLTerm
+from rlexp.algorithms.objective import (
+    KLTerm,
+    SeqMeanTokenMean,
+    SeqMeanTokenSum,
+    SeqMeanTokenSumNorm,
+    TokenMean,
+)
 from rlexp.chat.images import ImagePrompts
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer import distributed

@@ -19,17 +19,20 @@ from rlexp.algorithms.advantages import (
     ReinforcePPBaseline,
     whiten,
 )
-from rlexp.algorithms.aggregation import (
+from rlexp.algorithms.mismatch import TIS, Decoupled, IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
+from rlexp.algorithms.objective import (
+    CISPO,
+    GSPO,
+    KLTerm,
+    Objective,
+    PPOClip,
     SeqMeanTokenMean,
     SeqMeanTokenSum,
     SeqMeanTokenSumNorm,
+    TokenInputs,
     TokenMean,
     Totals,
 )
-from rlexp.algorithms.kl import KLTerm
-from rlexp.algorithms.mismatch import IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
-from rlexp.algorithms.objective import Objective
-from rlexp.algorithms.policy_losses import CISPO, GSPO, TIS, Decoupled, PPOClip, TokenInputs
 
 EPS = 1e-6  # GroupNormalized's default
 

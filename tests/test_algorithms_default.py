@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from rlexp.algorithms.advantages import AdvantageInputs, GroupNormalized
-from rlexp.algorithms.aggregation import TokenMean, Totals
-from rlexp.algorithms.kl import KLTerm
-from rlexp.algorithms.mismatch import NoCorrection
-from rlexp.algorithms.objective import Objective
-from rlexp.algorithms.policy_losses import TIS, Decoupled, PPOClip, TokenInputs
+from rlexp.algorithms.mismatch import TIS, Decoupled, NoCorrection
+from rlexp.algorithms.objective import KLTerm, Objective, PPOClip, TokenInputs, TokenMean, Totals
 
 
 def group_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6):

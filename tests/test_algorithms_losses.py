@@ -8,10 +8,17 @@ import torch
 from omegaconf import OmegaConf
 from torch.testing import assert_close
 
-from rlexp.algorithms.kl import KLTerm, kl_estimate
-from rlexp.algorithms.mismatch import IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
-from rlexp.algorithms.policy_losses import CISPO, GSPO, TIS, Decoupled, PPOClip, TokenInputs
-from rlexp.algorithms.ratios import clamped_exp, seq_log_ratio
+from rlexp.algorithms.mismatch import TIS, Decoupled, IcePop, NoCorrection, SeqMask, SeqTIS, TokenTIS
+from rlexp.algorithms.objective import (
+    CISPO,
+    GSPO,
+    KLTerm,
+    PPOClip,
+    TokenInputs,
+    clamped_exp,
+    kl_estimate,
+    seq_log_ratio,
+)
 from rlexp.config import check_arguments
 from rlexp.errors import ConfigError
 
@@ -88,10 +95,10 @@ def check(target: str, **kwargs) -> None:
 
 
 def test_ppo_dual_clip_must_exceed_one():
-    check("rlexp.algorithms.policy_losses.PPOClip", dual_clip=3.0)
-    check("rlexp.algorithms.policy_losses.PPOClip", dual_clip=None)
+    check("rlexp.algorithms.objective.PPOClip", dual_clip=3.0)
+    check("rlexp.algorithms.objective.PPOClip", dual_clip=None)
     with pytest.raises(ConfigError):
-        check("rlexp.algorithms.policy_losses.PPOClip", dual_clip=1.0)
+        check("rlexp.algorithms.objective.PPOClip", dual_clip=1.0)
 
 
 def test_ppo_ratio_is_clamped_at_exp_20():

@@ -148,7 +148,7 @@ def test_the_stages_called_one_by_one_make_fit(tiny_model_path):
     weights (policy and critic) after 5 steps, with every stage doing work (a recomputed
     proximal policy, the reference for the KL in the reward, the critic, two minibatches);
     `fit` times each stage."""
-    from rlexp.algorithms.kl import KLTerm
+    from rlexp.algorithms.objective import KLTerm
 
     kw = dict(kl=KLTerm("k1", coef=0.05, where="reward"), minibatches_per_step=2)
     by_fit, by_stages = _ppo(tiny_model_path, **kw), _ppo(tiny_model_path, **kw)

@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 import torch
 
-from rlexp.algorithms.kl import kl_estimate
+from rlexp.algorithms.objective import kl_estimate
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.errors import SyncMismatch, SyncUnchecked

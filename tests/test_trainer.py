@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlexp.algorithms.kl import KLTerm
-from rlexp.algorithms.policy_losses import TIS, Decoupled, PPOClip
+from rlexp.algorithms.mismatch import TIS, Decoupled
+from rlexp.algorithms.objective import KLTerm, PPOClip
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.trainer.batch import Layout, TrainBatch
 from rlexp.trainer.controller import TrainController

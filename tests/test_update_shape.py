@@ -1,9 +1,12 @@
 """The update's shape, asserted (docs/architecture.md, "One update"): the calls from
 `TrainController.fit` down to `loss.backward()` (the loop's `rl_step` is one more above it:
-four from the loop's `for step`)."""
+four from the loop's `for step`), and the rlexp files whose code runs in a GRPO fit: the
+five that hold what it computes, and those around them that only measure it, distribute it,
+step its lr schedule or hand it the samples' fields."""
 
 from __future__ import annotations
 
+import sys
 import traceback
 from functools import partial
 from pathlib import Path
@@ -16,6 +19,17 @@ from rlexp.trainer.controller import TrainController
 from tests.fakes import UNCHECKED
 
 ROOT = Path(rlexp.__file__).resolve().parent.parent
+COMPUTES = {"rlexp/trainer/update.py", "rlexp/trainer/batch.py", "rlexp/trainer/policy.py",
+            "rlexp/algorithms/objective.py", "rlexp/algorithms/advantages.py"}
+AROUND = {
+    "rlexp/trainer/controller.py": "the entry: TrainController.fit",
+    "rlexp/trainer/fit_metrics.py": "measurement (FitObserver)",
+    "rlexp/trainer/metric_sums.py": "measurement (sums on the device)",
+    "rlexp/trainer/sync_check.py": "measurement (the weight-sync check)",
+    "rlexp/trainer/distributed.py": "ranks (in one process: identities)",
+    "rlexp/trainer/schedule.py": "the lr schedule's factor (torch's LambdaLR calls it)",
+    "rlexp/sample.py": "the samples' fields (Sample properties)",
+}
 def _grpo(path: str) -> TrainController:
     """The default algorithm (GRPO, PPO-clip, token mean, no mismatch correction), logging
     train/kl on every fit so the reference's forward runs too."""
@@ -57,3 +71,21 @@ def test_backward_is_two_calls_below_fit(tiny_model_path, monkeypatch):
     assert len(stacks) > 1  # micro_batch_tokens=40: several micro-batches
     assert all(s == ["rlexp/trainer/controller.py:fit", "rlexp/trainer/update.py:fit",
                      "rlexp/trainer/update.py:forward_backward"] for s in stacks), stacks[0]
+
+
+def test_a_grpo_fit_runs_code_from_five_files_and_the_ones_around_them(tiny_model_path):
+    trainer, batch = _grpo(tiny_model_path), _batch()
+    ran: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and (name := _rlexp(frame.f_code.co_filename)):
+            ran.add(name)
+
+    sys.setprofile(profile)
+    try:
+        metrics = trainer.fit(batch, 0)
+    finally:
+        sys.setprofile(None)
+    assert "train/kl" in metrics and metrics["train/skipped_step"] == 0  # every stage did work
+    assert ran & COMPUTES == COMPUTES
+    assert ran - COMPUTES <= set(AROUND), sorted(ran - COMPUTES - set(AROUND))

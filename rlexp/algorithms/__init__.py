@@ -8,5 +8,10 @@ algorithm.
     kl           policy vs reference -> a loss term or a reward penalty (conf/kl: k1, k2, k3, low_var_kl)
     aggregation  per-token loss -> the minibatch's scalar (conf/aggregation: token_mean, ...)
 
+Two files hold a GRPO update's formulas: advantages.py (the advantages) and objective.py (the
+per-token loss: ratios, policy losses, KL, aggregation and their composition). gae.py adds
+PPO's GAE and value loss; mismatch.py the rollout/trainer mismatch corrections, and the two
+policy losses built on them (`tis`, `decoupled`).
+
 Every tensor of a micro-batch is [rows, T] and aligned to the predicted tokens; `mask` is 1.0
-where a token is trained. Every `exp` of a log-ratio goes through `ratios.clamped_exp`."""
+where a token is trained. Every `exp` of a log-ratio goes through `objective.clamped_exp`."""

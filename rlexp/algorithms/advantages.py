@@ -3,8 +3,8 @@
 Every estimator sees the whole batch (every rank computes the same advantages). A sample that
 did not complete (`completed` False) gets 0 and takes no part in any baseline or statistic.
 Outcome rewards are per sample; `token_rewards` (the KL penalty when it is in the reward, see
-kl.py) adds per-token rewards, which the group estimators sum into the sample's score and
-REINFORCE++ turns into per-token returns."""
+objective.py's KLTerm) adds per-token rewards, which the group estimators sum into the sample's
+score and REINFORCE++ turns into per-token returns."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from rlexp.algorithms.advantages import AdvantageInputs, whiten
-from rlexp.algorithms.policy_losses import Metrics
+from rlexp.algorithms.objective import Metrics
 from rlexp.constraints import Positive
 
 

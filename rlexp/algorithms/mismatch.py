@@ -7,28 +7,36 @@ a weight on each token's loss and a mask of the tokens kept:
 
 A masked token's loss is 0, and it still counts in the aggregation's denominator (IcePop's
 objective is normalised by every token), so masking never rescales the tokens kept. Every
-correction except `NoCorrection` needs the trainer's recomputed logprobs (one more forward)."""
+correction except `NoCorrection` needs the trainer's recomputed logprobs (one more forward).
+`NoCorrection` is `mismatch=none`: the trainer runs no correction at all for it
+(`Objective.mismatch` None).
+
+Two policy losses (conf/policy_loss) are built on `TokenTIS` and so live here: `TIS` (truncated
+importance sampling against the behaviour policy, no trust region) and `Decoupled` (AReaL's
+PPO-clip around the recomputed proximal policy times the truncated behaviour weight). The
+`MismatchCorrection` protocol, its `Correction`, the ratios and the other policy losses are in
+objective.py."""
 
 from __future__ import annotations
 
-from typing import Annotated, Protocol
+from typing import Annotated
 
 import torch
 from annotated_types import Ge, Gt, Lt
 
-from rlexp.algorithms.ratios import clamped_exp, seq_log_ratio
+from rlexp.algorithms.objective import (
+    Correction,
+    Metrics,
+    PPOClip,
+    TokenInputs,
+    clamped_exp,
+    seq_log_ratio,
+)
+from rlexp.constraints import NonNegative
 
-Correction = tuple[torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]
 Cap = Annotated[float, Ge(1)]
 Below1 = Annotated[float, Ge(0), Lt(1)]  # a band [low, high] around ratio 1
 Above1 = Annotated[float, Gt(1)]
-
-
-class MismatchCorrection(Protocol):
-    needs_recompute: bool
-
-    def __call__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
-                 mask: torch.Tensor) -> Correction: ...
 
 
 class NoCorrection:
@@ -108,3 +116,44 @@ class SeqMask:
         keep = ((ratio >= self.low) & (ratio <= self.high)).float()
         keep_tokens = keep[:, None].expand_as(mask)
         return None, keep_tokens, {"masked_seq_frac": 1.0 - keep, "masked_token_frac": 1.0 - keep_tokens}
+
+
+# ---- policy losses built on TokenTIS ------------------------------------------------------------
+
+class TIS:
+    """Truncated importance sampling against the behaviour policy, no trust region and no
+    recomputed proximal policy: -min(r, cap) A logp, r = exp(logp - rollout_logp) held constant
+    (Espeholt et al. 2018 IMPALA's truncation; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"). Its gradient equals PPO's where r = 1."""
+
+    needs_recompute = False
+
+    def __init__(self, is_cap: float = 2.0):
+        self.tis = TokenTIS(is_cap)
+
+    def __call__(self, x: TokenInputs) -> tuple[torch.Tensor, Metrics]:
+        weight, _, metrics = self.tis(x.logp.detach(), x.rollout_logp, x.mask)
+        assert weight is not None
+        ratio = clamped_exp(x.logp.detach() - x.rollout_logp)
+        loss = -weight * x.adv * x.logp
+        return loss, {"pg_loss": loss.detach(), "clip_frac": metrics["is_truncated_frac"],
+                      "ratio_mean": ratio} | metrics
+
+
+class Decoupled:
+    """AReaL's decoupled PPO (Fu et al. 2025, arXiv:2505.24298): PPO-clip around the proximal
+    policy (the trainer's weights before this update, recomputed), times the behaviour
+    importance weight min(pi_prox / pi_behav, cap) (= PPOClip with mismatch=token_tis)."""
+
+    needs_recompute = True
+
+    def __init__(self, clip_ratio_low: NonNegative = 0.2, clip_ratio_high: NonNegative = 0.2,
+                 is_cap: float = 2.0):
+        self.ppo, self.tis = PPOClip(clip_ratio_low, clip_ratio_high), TokenTIS(is_cap)
+
+    def __call__(self, x: TokenInputs) -> tuple[torch.Tensor, Metrics]:
+        loss, metrics = self.ppo(x)
+        weight, _, weights = self.tis(x.old_logp, x.rollout_logp, x.mask)
+        assert weight is not None
+        loss = loss * weight
+        return loss, metrics | weights | {"pg_loss": loss.detach()}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlexp.algorithms.aggregation import Totals
+from rlexp.algorithms.objective import Totals
 from rlexp.sample import Sample, Status
 from rlexp.trainer import distributed
 

@@ -21,11 +21,16 @@ import torch
 from safetensors.torch import load_file
 
 from rlexp.algorithms.advantages import AdvantageEstimator, GroupNormalized
-from rlexp.algorithms.aggregation import Aggregation, TokenMean
-from rlexp.algorithms.kl import KLTerm
-from rlexp.algorithms.mismatch import MismatchCorrection, NoCorrection
-from rlexp.algorithms.objective import Objective
-from rlexp.algorithms.policy_losses import PolicyLoss, PPOClip
+from rlexp.algorithms.mismatch import NoCorrection
+from rlexp.algorithms.objective import (
+    Aggregation,
+    KLTerm,
+    MismatchCorrection,
+    Objective,
+    PolicyLoss,
+    PPOClip,
+    TokenMean,
+)
 from rlexp.constraints import AtLeast0, AtLeast1, Dtype, NonNegative, Positive
 from rlexp.models.vlm import placeholder_ids
 from rlexp.sample import Sample
@@ -199,9 +204,11 @@ def _objective(advantage: AdvantageEstimator | None, policy_loss: PolicyLoss | N
                aggregation: Aggregation | None, kl: KLTerm | None, mismatch: MismatchCorrection | None,
                entropy_coef: float, critic: Callable[..., Critic] | None) -> Objective:
     """The algorithm from its pieces (None: the default's, GRPO with PPO-clip and a token mean);
-    a critic comes with advantage=gae and only with it."""
+    `mismatch=none`'s NoCorrection reaches the Objective as None: no correction is called.
+    A critic comes with advantage=gae and only with it."""
+    no_correction = mismatch is None or isinstance(mismatch, NoCorrection)
     objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
-                          aggregation or TokenMean(), kl or KLTerm(), mismatch or NoCorrection(),
+                          aggregation or TokenMean(), kl or KLTerm(), None if no_correction else mismatch,
                           entropy_coef)
     _check_critic(objective.advantage, critic)
     return objective

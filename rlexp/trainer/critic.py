@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForTokenClassification
 from transformers.utils import logging as hf_logging
 
-from rlexp.algorithms.aggregation import Aggregation
 from rlexp.algorithms.gae import ClippedValueLoss
+from rlexp.algorithms.objective import Aggregation
 from rlexp.constraints import AtLeast0, Positive
 from rlexp.models.local import resolve_dtype
 from rlexp.trainer import distributed

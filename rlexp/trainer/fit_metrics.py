@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlexp.algorithms.aggregation import Totals
-from rlexp.algorithms.kl import kl_estimate
-from rlexp.algorithms.policy_losses import Metrics, TokenInputs
+from rlexp.algorithms.objective import Metrics, TokenInputs, Totals, kl_estimate
 from rlexp.trainer import distributed
 from rlexp.trainer.batch import MicroBatch, TrainBatch
 from rlexp.trainer.metric_sums import MetricSums

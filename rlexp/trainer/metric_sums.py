@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlexp.algorithms.aggregation import Totals
-from rlexp.algorithms.kl import kl_estimate
-from rlexp.algorithms.ratios import clamped_exp
+from rlexp.algorithms.objective import Totals, clamped_exp, kl_estimate
 
 
 @dataclass

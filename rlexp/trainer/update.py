@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from rlexp.algorithms.advantages import AdvantageInputs
-from rlexp.algorithms.objective import Objective
-from rlexp.algorithms.policy_losses import TokenInputs
+from rlexp.algorithms.objective import Objective, TokenInputs
 from rlexp.sample import Sample
 from rlexp.trainer import distributed
 from rlexp.trainer.batch import Layout, Minibatch, TrainBatch, trained
