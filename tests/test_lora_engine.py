@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from rlexp.chat.render import render_prompt
-from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
+from rlexp.sample import SamplingConfig
 from rlexp.trainer.controller import TrainController
 from rlexp.weights.ram_file import RamFileTransport
 from tests import sync_faults
 from tests.conftest import vllm_on_thread
+from tests.engine_helpers import _as_samples
 
 pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.7
@@ -32,13 +33,7 @@ def _lora_trainer(path: str) -> TrainController:
 
 
 def _logprob_diff(trainer, prompts, gens) -> float:
-    samples = []
-    for p, g in zip(prompts, gens):
-        trace = TokenTrace()
-        trace.append(p, role="prompt")
-        trace.append(g.token_ids, role="assistant", generation=g)
-        samples.append(Sample(group_id=0, prompt=[], answer="", trace=trace, status=Status.COMPLETED))
-    ours = trainer.sample_logprobs(samples)
+    ours = trainer.sample_logprobs(_as_samples(prompts, gens))
     return max((lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
                for p, g, lp in zip(prompts, gens, ours))
 
