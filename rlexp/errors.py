@@ -64,6 +64,11 @@ class JudgeError(RuntimeError):
     """The judge could not score a sample (raised, hung, or returned a non-finite reward)."""
 
 
+class TeacherError(RuntimeError):
+    """The teacher could not score a sample (unreachable, timed out, or a reply that is not one
+    finite logprob per token): that sample fails, counted with the other failures."""
+
+
 class InjectedFault(RuntimeError):
     """The error a faulty agent or judge raises on purpose."""
 

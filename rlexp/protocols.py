@@ -12,6 +12,7 @@ built (rlexp/config_components.py).
       |                  (rlexp's TrainController: fit is rlexp/trainer/update.py's stages)
       |-- WeightTransport  trainer.weights() -> engine, tagged with the version they become
       |                  (rlexp/weights/protocols.py, with what a transport asks of an engine)
+      |-- Teacher        score(tokens) -> its logprob of each token (on-policy distillation)
       |-- Evaluator      metrics(eval batch)
       '-- Tracker        params, metrics, traces (MLflow)
 """
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from rlexp.data.manager import DataManager
     from rlexp.rollout.accounting import BusyMeter
-    from rlexp.sample import Generation, Sample, SamplingConfig
+    from rlexp.sample import Generation, PromptLogprobs, Sample, SamplingConfig
 
 class RolloutEngine(Protocol):
     """Token ids in; token ids and the logprobs they were sampled with out."""
@@ -131,6 +132,21 @@ class Agent(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class Teacher(Protocol):
+    """A model that scores token sequences (on-policy distillation: the student samples, the
+    teacher scores the student's tokens; rlexp/teachers/)."""
+
+    top_k: int  # besides each token's own logprob, the teacher's top_k likeliest ids per position
+    tokenizer_path: str | None  # the directory of the tokenizer its ids are of (None: the student's)
+
+    async def score(self, token_ids: list[int]) -> PromptLogprobs:
+        """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n - 1 (and the top_k per position).
+        Raises TeacherError when the teacher cannot answer or its reply is malformed."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 class Scheduler(Protocol):

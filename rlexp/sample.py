@@ -90,6 +90,30 @@ class Generation:
         return min(self.versions, default=-1)
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A model's scores of a token sequence of n tokens: `logprobs[i]` is log p(token i + 1 |
+    tokens 0 .. i), n - 1 entries; `top` (when asked): the likeliest ids at each of those
+    positions with their logprobs."""
+
+    logprobs: list[float]
+    top: list[dict[int, float]] | None = None
+
+
+@dataclass
+class TeacherScores:
+    """A teacher's scores of a sample's tokens, aligned with them (entry t is of token t):
+    `logprobs[t]` log p_teacher(token t | the tokens before), `scored[t]` 1 where that entry is
+    the teacher's (a trained token the teacher scored; with different tokenizers, one aligned
+    through the text), else 0 and the entry is 0.0. `top_ids` / `top_logprobs` (teacher.top_k >
+    0, one tokenizer): the teacher's likeliest ids at the position that predicts token t."""
+
+    logprobs: list[float]
+    scored: list[int]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """(`messages` with each image part bare, `{"type": "image"}` as a chat template takes it;
     their images, in order)."""
@@ -251,6 +275,7 @@ class Sample:
     # `pixel_values` [images, 3, H, W] and `pixel_attention_mask` [images, H, W]).
     mm_infer_info: dict[str, Any] | None = None
     mm_train_info: dict[str, Any] | None = None
+    teacher: TeacherScores | None = None  # on-policy distillation: the teacher's per-token scores
 
     # Read-only views of the trace's lists (the trace alone writes them).
     tokens = _FromTrace[list[int]]("tokens")
@@ -303,6 +328,8 @@ class Sample:
             "token_ids": self.tokens,
             "loss_mask": self.loss_mask,
             "logprobs": [round(x, 6) for x in self.logprobs],
+            "teacher_logprobs": None if self.teacher is None else [
+                round(x, 6) if m else None for x, m in zip(self.teacher.logprobs, self.teacher.scored)],
             "versions": self.versions,
             "turns": self.turns,
             "judge": self.metadata.get("judge"),  # a model judge's prompt and reply
