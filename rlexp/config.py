@@ -125,6 +125,7 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
         raise ConfigError(f"trainer.advantage {target} and trainer.critic do not go together: "
                           "advantage=gae needs critic=value, and a critic is only used by advantage=gae "
                           "(recipe=ppo sets both)")
+    _check_teacher(cfg, estimator)
     if OmegaConf.select(cfg, "agent.entrypoint") is not None:
         from rlexp.agents.openai_agent import load_entrypoint
 
@@ -142,6 +143,28 @@ def validate(cfg: DictConfig, static: bool = False, images: bool = False) -> Non
             not OmegaConf.select(cfg, "rollout.routing_capture"):
         raise ConfigError("trainer.routing_replay=rollout replays the engine's routing: it needs "
                           "rollout.routing_capture=true (rollout=vllm, an MoE model)")
+
+
+def _check_teacher(cfg: DictConfig, estimator: Any) -> None:
+    """On-policy distillation's terms need a teacher; the top-k forward KL needs its top-k ids
+    over the student's own vocabulary; advantage=distill already is the reverse-KL term."""
+    teacher = OmegaConf.select(cfg, "teacher")
+    distill = OmegaConf.select(cfg, "trainer.distill") or {}
+    pure = bool(estimator and estimator.needs_teacher)
+    kl_coef, forward_kl = distill.get("kl_coef", 0.0), distill.get("forward_kl_coef", 0.0)
+    if (pure or kl_coef or forward_kl) and teacher is None:
+        used = ("advantage=distill" if pure else
+                "trainer.distill.kl_coef" if kl_coef else "trainer.distill.forward_kl_coef")
+        raise ConfigError(f"{used} needs a teacher: teacher=local teacher.model_path=<dir>, or "
+                          "teacher=openai teacher.base_url=<url> teacher.model=<name>")
+    if pure and kl_coef:
+        raise ConfigError("advantage=distill is the reverse-KL advantage already: set "
+                          "trainer.advantage.kl_coef, not trainer.distill.kl_coef (which adds it to "
+                          "a reward estimator's)")
+    if forward_kl and (not teacher.get("top_k") or teacher.get("align")):
+        raise ConfigError("trainer.distill.forward_kl_coef needs the teacher's top-k ids over the "
+                          f"student's vocabulary: teacher.top_k > 0 (got {teacher.get('top_k')}) "
+                          "and teacher.align=false")
 
 
 def _check_reward_functions(cfg: DictConfig) -> None:

@@ -51,11 +51,12 @@ from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.metrics import GeneratedLengths, failure_report
 from rlexp.preflight import Inputs, check_lengths, load_inputs
 from rlexp.progress import Progress, SweepPosition
-from rlexp.protocols import Agent, RolloutEngine, Scheduler, Tracker, Trainer
+from rlexp.protocols import Agent, RolloutEngine, Scheduler, Teacher, Tracker, Trainer
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.signals import StopOnSignals
 from rlexp.step import rl_step, sync_within
+from rlexp.teachers.scoring import Aligner, TeacherScoring
 from rlexp.trainer import update
 from rlexp.trainer.controller import TrainController
 from rlexp.weights.protocols import WeightTransport
@@ -98,6 +99,8 @@ class RLLoop:
         self.engine: RolloutEngine | None = None
         self.agent: Agent | None = None
         self.eval_agent: Agent | None = None
+        self.teacher: Teacher | None = None  # on-policy distillation's (rlexp/teachers/)
+        self.scoring: TeacherScoring | None = None  # the training agent, its samples scored by the teacher
         self.scheduler: Scheduler | None = None
         self.trainer: Trainer | None = None
         self.update: Callable[[list[Sample], int], dict[str, float]] | None = None  # the step's update
@@ -194,6 +197,10 @@ class RLLoop:
         judge = build_guarded(cfg, "judge", JudgeGuard)
         judge.bind(engine, tokenizer)  # a model judge grades with the policy's engine
         self.agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer, judge=judge)
+        if cfg.get("teacher") is not None:  # on-policy distillation: every completed sample scored
+            self.teacher = teacher = build(cfg, "teacher")
+            aligner = Aligner.load(self.model_path, teacher.tokenizer_path) if teacher.align else None
+            self.agent = self.scoring = TeacherScoring(self.agent, teacher, aligner)
         self.eval_agent = build_guarded(cfg, "agent", AgentGuard, engine=engine, tokenizer=tokenizer,
                                         judge=judge, sampling=self.evaluator.sampling,
                                         _convert_="object")  # a dataclass, not a DictConfig
@@ -238,7 +245,7 @@ class RLLoop:
                 batch, metrics = await rl_step(self.scheduler, self.data, agent, self.engine, self.trainer,
                                                self.transport, self.version, self.update,
                                                self.cfg.sync_timeout_s)
-            metrics |= agent.pop_metrics()
+            metrics |= agent.pop_metrics() | (self.scoring.pop_metrics() if self.scoring else {})
             self.version += 1  # published by the step's sync: the engine serves it now
             self.tracker.log_metrics(metrics, step)
             self.tracker.log_samples(batch, step, self.tokenizer.decode)
@@ -317,6 +324,8 @@ class RLLoop:
                 await agent.aclose()
         if self.engine is not None:
             self.engine.shutdown()
+        if self.teacher is not None:
+            self.teacher.shutdown()
         if self.transport is not None:
             self.transport.close()
         if self.cluster is not None:

@@ -36,6 +36,7 @@ from rlexp.data.sources import PromptSource
 from rlexp.errors import ConfigError, config_error_unwrapped
 from rlexp.evaluator import Evaluator
 from rlexp.sample import split_images
+from rlexp.teachers.check import check_teacher
 from rlexp.tools import tool_specs
 
 log = logging.getLogger("rlexp")
@@ -207,6 +208,7 @@ class ImageTokens:
 def preflight(cfg: DictConfig) -> Inputs:
     validate(cfg, static=True)
     inputs = load_inputs(cfg)
+    check_teacher(cfg, inputs.model_path)  # its vocabulary, its server: before any engine starts
     inputs.has_images = _has_images(inputs)
     check_vision(cfg, inputs)
     tokenizer = LightTokenizer.load(inputs.model_path)

@@ -140,6 +140,7 @@ class Teacher(Protocol):
 
     top_k: int  # besides each token's own logprob, the teacher's top_k likeliest ids per position
     tokenizer_path: str | None  # the directory of the tokenizer its ids are of (None: the student's)
+    align: bool  # another tokenizer than the student's: its scores are mapped through the text (align.py)
 
     async def score(self, token_ids: list[int]) -> PromptLogprobs:
         """log p(token_ids[i] | token_ids[:i]) for i = 1 .. n - 1 (and the top_k per position).

@@ -27,6 +27,7 @@ class AdvantageInputs:
     mask: torch.Tensor  # [N, T] 1.0 at trained tokens (a row of zeros: nothing trained)
     token_rewards: torch.Tensor | None = None  # [N, T] e.g. -beta * KL per token, or None
     values: torch.Tensor | None = None  # [N, T] a critic's values (advantage=gae), or None
+    reverse_kl: torch.Tensor | None = None  # [N, T] student - teacher logprob at scored tokens (distill.py)
 
     @classmethod
     def from_samples(cls, batch: list[Sample], token_rewards: torch.Tensor | None = None,
@@ -58,6 +59,7 @@ class AdvantageInputs:
 
 class AdvantageEstimator(Protocol):
     needs_values: bool  # its advantages come from a critic's values (trainer.critic must be set)
+    needs_teacher: bool  # its advantages come from a teacher's logprobs (advantage=distill)
     min_samples_per_prompt: int  # e.g. 2 for a group baseline (checked against data.samples_per_prompt)
 
     def __call__(self, x: AdvantageInputs) -> torch.Tensor:
@@ -73,6 +75,7 @@ class OutcomeEstimator(ABC):
     """An estimator from the rewards alone: no critic, so no targets for one."""
 
     needs_values = False
+    needs_teacher = False
     min_samples_per_prompt = 1
 
     @abstractmethod

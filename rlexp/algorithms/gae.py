@@ -59,6 +59,7 @@ class GAE:
     as verl); the value target is the un-whitened return A + V. A failed sample gets 0."""
 
     needs_values = True
+    needs_teacher = False
     min_samples_per_prompt = 1  # no group baseline: one sample per prompt is enough
 
     def __init__(self, gamma: Positive = 1.0, lam: float = 0.95, whiten: bool = True):

@@ -58,6 +58,7 @@ import torch
 from annotated_types import Gt
 
 from rlexp.algorithms.advantages import AdvantageEstimator, AdvantageInputs
+from rlexp.algorithms.distill import DistillTerm
 from rlexp.constraints import AtLeast1, NonNegative
 
 # ---- ratios -------------------------------------------------------------------------------------
@@ -267,8 +268,10 @@ class Objective:
     (None: none, and no call), KL term, entropy bonus and aggregation."""
 
     def __init__(self, advantage: AdvantageEstimator, policy_loss: PolicyLoss, aggregation: Aggregation,
-                 kl: KLTerm, mismatch: MismatchCorrection | None, entropy_coef: float = 0.0):
+                 kl: KLTerm, mismatch: MismatchCorrection | None, entropy_coef: float = 0.0,
+                 distill: DistillTerm | None = None):
         self.advantage = advantage
+        self.distill = distill or DistillTerm()
         self.policy_loss = policy_loss
         self.aggregation = aggregation
         self.kl = kl
@@ -282,13 +285,21 @@ class Objective:
         return self.policy_loss.needs_recompute or mismatch
 
     def advantages(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(per-token advantages, the critic's targets: GAE's returns, None without a critic)."""
-        return self.advantage.advantages_and_returns(x)
+        """(per-token advantages, the critic's targets: GAE's returns, None without a critic);
+        with `distill.kl_coef`, the teacher's reverse-KL advantage added (distill.py)."""
+        adv, returns = self.advantage.advantages_and_returns(x)
+        if self.distill.kl_coef:
+            if x.reverse_kl is None:
+                raise ValueError("trainer.distill.kl_coef > 0 needs the teacher's logprobs "
+                                 "(teacher=local | openai)")
+            adv = adv + self.distill.advantages(x.reverse_kl)
+        return adv, returns
 
-    def token_loss(self, x: TokenInputs, entropy: torch.Tensor | None,
-                   ref_logp: torch.Tensor | None) -> tuple[torch.Tensor, Metrics]:
+    def token_loss(self, x: TokenInputs, entropy: torch.Tensor | None, ref_logp: torch.Tensor | None,
+                   forward_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, Metrics]:
         """The per-token loss, and every per-token (or per-sequence) quantity logged with it.
-        `ref_logp` None: no reference this step (then the KL must not be in the loss)."""
+        `ref_logp` None: no reference this step (then the KL must not be in the loss);
+        `forward_kl`: the top-k forward KL to the teacher at each token (distill.py), or None."""
         loss, metrics = self.policy_loss(x)
         weight, keep, corrections = (None, None, {}) if self.mismatch is None else self.mismatch(
             x.old_logp, x.rollout_logp, x.mask)
@@ -304,6 +315,9 @@ class Objective:
             metrics["kl"] = kl = self.kl(x.logp, ref_logp)
             if self.kl.in_loss:
                 loss = loss + self.kl.coef * kl
+        if forward_kl is not None:
+            metrics["distill_forward_kl"] = forward_kl
+            loss = loss + self.distill.forward_kl_coef * forward_kl
         if keep is not None:  # a masked token takes no part in the loss at all
             loss = loss * keep
             metrics["pg_loss"] = metrics["pg_loss"] * keep

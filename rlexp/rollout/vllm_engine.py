@@ -25,9 +25,9 @@ from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.rollout.vllm_liveness import engine_alive, watched
-from rlexp.rollout.vllm_outputs import reply, report_new
+from rlexp.rollout.vllm_outputs import prompt_scores, reply, report_new
 from rlexp.rollout.vllm_sampling import groupable, sampling_params
-from rlexp.sample import Generation, SamplingConfig, stitch_routing
+from rlexp.sample import Generation, PromptLogprobs, SamplingConfig, stitch_routing
 from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
@@ -250,6 +250,18 @@ class VLLMEngine:
         never_started: Reply = ([], [], [], "abort", self.version)  # aborted before its first token
         return [reply(last[i], sampling.top_logprobs, versions[i]) if i in last else never_started
                 for i in range(n)]
+
+    async def score(self, token_ids: list[int], top_k: int = 0) -> PromptLogprobs:
+        """The model's logprob of each token given the ones before (vLLM's prompt logprobs, of
+        the raw distribution: temperature 1), with its `top_k` likeliest ids per position."""
+        from vllm import SamplingParams
+
+        params, final = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False), None
+        with engine_alive():
+            async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
+                                               request_id=f"s{next(self._ids)}"):
+                final = out
+        return prompt_scores(final, token_ids, top_k)
 
     async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
         """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""

@@ -105,6 +105,34 @@ class RoutedExperts:
 
 
 @dataclass(frozen=True)
+class TeacherTokens:
+    """On-policy distillation: the teacher's scores of the rows' predicted tokens ([N, L-1],
+    the samples' TeacherScores shifted like the other per-token tensors)."""
+
+    logprobs: torch.Tensor  # the teacher's logprob of each predicted token (0 where not scored)
+    scored: torch.Tensor  # float: 1 where the teacher scored it
+    top_ids: torch.Tensor | None  # [N, L-1, k] long: its likeliest ids at each position (teacher.top_k)
+    top_logprobs: torch.Tensor | None  # [N, L-1, k]
+
+    @classmethod
+    def build(cls, samples: list[Sample], width: int) -> TeacherTokens | None:
+        scores = [s.teacher for s in samples]
+        if not any(scores):
+            return None
+        logprobs = [t.logprobs if t else [0.0] * len(s.tokens) for s, t in zip(samples, scores)]
+        scored = [t.scored if t else [0] * len(s.tokens) for s, t in zip(samples, scores)]
+        k = next((len(t.top_ids[1]) for t in scores if t and t.top_ids and len(t.top_ids) > 1), 0)
+        top_ids, top_logprobs = None, None
+        if k:
+            top_ids = _padded([t.top_ids if t and t.top_ids else [] for t in scores], width, [0] * k,
+                              torch.long)[:, 1:]
+            top_logprobs = _padded([t.top_logprobs if t and t.top_logprobs else [] for t in scores], width,
+                                   [0.0] * k, torch.float32)[:, 1:]
+        return cls(_padded(logprobs, width, 0.0, torch.float32)[:, 1:],
+                   _padded(scored, width, 0, torch.float32)[:, 1:], top_ids, top_logprobs)
+
+
+@dataclass(frozen=True)
 class TrainBatch:
     """The trained rows, [N, L] or [N, L-1] per token, right-padded."""
 
@@ -124,6 +152,7 @@ class TrainBatch:
     micro_batches: tuple[MicroBatch, ...]  # this rank's over all its rows (the forwards before the update)
     images: Images | None  # a vision-language model's
     routed: RoutedExperts | None  # an MoE's, when the engine recorded them (rollout.routing_capture)
+    teacher: TeacherTokens | None  # on-policy distillation's teacher scores (teacher=local | openai)
 
     @classmethod
     def build(cls, samples: list[Sample], version: int, layout: Layout,
@@ -146,7 +175,7 @@ class TrainBatch:
             lengths=lengths, rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
             groups=tuple(s.group_id for s in samples), minibatches=minibatches, micro_batches=mine,
             images=Images(tuple(images)) if any(images) else None,
-            routed=_routed(samples, width))
+            routed=_routed(samples, width), teacher=TeacherTokens.build(samples, width))
 
     def __len__(self) -> int:
         return len(self.lengths)

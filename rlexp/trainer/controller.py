@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlexp.algorithms.advantages import AdvantageEstimator, GroupNormalized
+from rlexp.algorithms.distill import DistillTerm
 from rlexp.algorithms.mismatch import NoCorrection
 from rlexp.algorithms.objective import (
     Aggregation,
@@ -59,6 +60,7 @@ class TrainController:
         kl: KLTerm | None = None,
         mismatch: MismatchCorrection | None = None,
         entropy_coef: float = 0.0,
+        distill: DistillTerm | None = None,
         ref_kl_every_n_steps: AtLeast0 = 25,
         max_grad_norm: Positive = 1.0,
         old_logprobs: Literal["rollout", "recompute"] = "rollout",
@@ -80,6 +82,7 @@ class TrainController:
     ):
         """The keys of conf/trainer/default.yaml, whose values are the defaults here too.
         advantage .. mismatch: the algorithm's pieces (None: the default's, GRPO with PPO-clip);
+        distill: on-policy distillation's terms beside the advantage (None: off; distill.py);
         logits_chunk_tokens: positions whose vocabulary logits are held at once (policy.py);
         mixed_precision: bfloat16 computes in bf16 with fp32 master weights and optimizer state
         (FSDP2's policy over ranks, torch.autocast in one process);
@@ -87,7 +90,8 @@ class TrainController:
         freeze_vision: the VLM's vision encoder neither trains nor syncs (models.py);
         sync_check: every sync verified on the fit's first forward (sync_check.py; None: default)."""
         self.rank, self.world = _rank_world(workers)
-        objective = _objective(advantage, policy_loss, aggregation, kl, mismatch, entropy_coef, critic)
+        objective = _objective(advantage, policy_loss, aggregation, kl, mismatch, entropy_coef, critic,
+                               distill)
         device = distributed.device()
         keep_ref = objective.kl.coef > 0 or ref_kl_every_n_steps > 0
         model, ref, self.lora_scaling, self.unsynced = build_policy(
@@ -184,7 +188,7 @@ def _policy(model: Any, ref: torch.nn.Module | None, lora_reference: bool, tempe
     autocast = "none" if distributed.sharded() else mixed_precision
     return Policy(model, ref, lora_reference, temperature, placeholder_ids(model.config), moe, device,
                   entropy_in_loss=bool(objective.entropy_coef), logits_chunk_tokens=logits_chunk_tokens,
-                  autocast=autocast)
+                  autocast=autocast, teacher_top=bool(objective.distill.forward_kl_coef))
 
 
 def _compute_dtype(dtype: str, mixed_precision: str) -> str:
@@ -202,14 +206,15 @@ def _rank_world(workers: int) -> tuple[int, int]:
 
 def _objective(advantage: AdvantageEstimator | None, policy_loss: PolicyLoss | None,
                aggregation: Aggregation | None, kl: KLTerm | None, mismatch: MismatchCorrection | None,
-               entropy_coef: float, critic: Callable[..., Critic] | None) -> Objective:
+               entropy_coef: float, critic: Callable[..., Critic] | None,
+               distill: DistillTerm | None) -> Objective:
     """The algorithm from its pieces (None: the default's, GRPO with PPO-clip and a token mean);
     `mismatch=none`'s NoCorrection reaches the Objective as None: no correction is called.
     A critic comes with advantage=gae and only with it."""
     no_correction = mismatch is None or isinstance(mismatch, NoCorrection)
     objective = Objective(advantage or GroupNormalized(), policy_loss or PPOClip(),
                           aggregation or TokenMean(), kl or KLTerm(), None if no_correction else mismatch,
-                          entropy_coef)
+                          entropy_coef, distill)
     _check_critic(objective.advantage, critic)
     return objective
 

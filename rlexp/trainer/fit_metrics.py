@@ -142,7 +142,19 @@ class FitObserver:
             out |= critic_report(values, returns, mask)
         per_sample = (advantages.abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         out["train/advantage_abs_mean"] = per_sample.sum().item() / b.produced
-        return out
+        return out | teacher_report(b)
+
+
+def teacher_report(batch: TrainBatch) -> dict[str, float]:
+    """On-policy distillation: the mean reverse KL log p_student - log p_teacher over the
+    trained tokens the teacher scored (the student's sampling logprobs), and their share."""
+    if batch.teacher is None:
+        return {}
+    scored = batch.teacher.scored * batch.loss_mask
+    n = scored.sum()
+    d = (batch.rollout_logprobs - batch.teacher.logprobs) * scored
+    return {"distill/reverse_kl": float(d.sum() / n.clamp(min=1)),
+            "distill/scored_frac": float(n / batch.loss_mask.sum().clamp(min=1))}
 
 
 def critic_report(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

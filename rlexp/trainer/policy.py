@@ -18,7 +18,8 @@ Kernel's fused linear losses and prime-rl, here with autograd's exact gradient. 
 of at most `logits_chunk_tokens` positions is one chunk, computed as it always was (no
 recomputation). The head is reached by calling the model with its output module's `forward`
 replaced for that one call: the model returns [rows, width, 2] (logprob, entropy) in place of
-its logits, which only this module sees.
+its logits, which only this module sees (and, for on-policy distillation's top-k forward KL,
+the logprobs of the teacher's k likeliest ids of each position after them).
 
 A `Policy` owns that forward for the model, its frozen reference (its own copy, or with LoRA
 the model with its adapters off), an MoE's routing replay and load-balancing loss
@@ -50,6 +51,7 @@ class PolicyOutput:
     aux: torch.Tensor | None  # MoE, with gradients: the load-balancing loss (routing_replay.py; None: off)
     aux_coef: float  # its weight in the loss (trainer.router_aux_loss_coef)
     routing_differs: torch.Tensor | None  # MoE with the engine's routing: share of layers that differ
+    teacher_top: torch.Tensor | None = None  # [n, width - 1, k] logprobs of the teacher's top-k ids
 
     def aux_term(self, share: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | None]:
         """coef x the aux loss weighted by `share` (its micro-batch's part of the minibatch's
@@ -69,7 +71,7 @@ class Policy:
 
     def __init__(self, model: torch.nn.Module, reference: torch.nn.Module | None, lora: bool,
                  temperature: float, unsampled: list[int], moe: MoERouting | None, device: torch.device,
-                 entropy_in_loss: bool, logits_chunk_tokens: int, autocast: str):
+                 entropy_in_loss: bool, logits_chunk_tokens: int, autocast: str, teacher_top: bool = False):
         self.model = model
         self.reference = Reference(self, reference, lora)
         self.temperature = temperature
@@ -79,6 +81,7 @@ class Policy:
         self.entropy_in_loss = entropy_in_loss
         self.chunk = logits_chunk_tokens
         self.autocast = autocast
+        self.teacher_top = teacher_top  # the forward with gradients also scores the teacher's top-k ids
 
     @property
     def router_layers(self) -> int:
@@ -92,7 +95,7 @@ class Policy:
 
     def __call__(self, batch: TrainBatch, micro: MicroBatch, entropy: bool = True) -> PolicyOutput:
         """The policy's forward of `micro`'s rows (with gradients where they are enabled)."""
-        return self.forward(self.model, batch, micro, entropy)
+        return self.forward(self.model, batch, micro, entropy, self.teacher_top)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -108,16 +111,21 @@ class Policy:
         return out
 
     def forward(self, model: torch.nn.Module, batch: TrainBatch, micro: MicroBatch,
-                entropy: bool) -> PolicyOutput:
+                entropy: bool, teacher_top: bool = False) -> PolicyOutput:
         rows, width = micro.rows, micro.width
         inputs = {"input_ids": batch.input_ids[rows, :width].to(self.device)}
         if batch.images is not None:
             inputs |= batch.images.inputs(rows, self.device)
         routed = batch.routed.rows(rows, width, self.device) if batch.routed is not None else None
         predicting = torch.arange(width)[None] < torch.tensor(batch.lengths)[rows, None] - 1
-        targets = torch.cat([inputs["input_ids"][:, 1:], torch.zeros_like(inputs["input_ids"][:, :1])], 1)
+        ids = inputs["input_ids"]
+        targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)[..., None]
+        if teacher_top:  # the teacher's top-k ids of each position, gathered beside the target
+            assert batch.teacher is not None and batch.teacher.top_ids is not None, "no teacher top-k"
+            top = batch.teacher.top_ids[rows, :width - 1].to(self.device)
+            targets = torch.cat([targets, torch.cat([top, torch.zeros_like(top[:, :1])], 1)], -1)
         head = _output_module(model)
-        score = partial(self._score, head, targets.flatten(), entropy)
+        score = partial(self._score, head, targets.flatten(0, 1), entropy)
         with self._precision(), _head_replaced(head, score):
             if self.moe is None:
                 out = model(**inputs, use_cache=False).logits
@@ -125,12 +133,14 @@ class Policy:
                 out = self.moe.forward(model, inputs, routed, predicting.to(self.device)).logits
         out = out[:, :-1].float()
         aux, differs = (self.moe.aux, self.moe.differs) if self.moe else (None, None)
-        return PolicyOutput(out[..., 0], out[..., 1] if entropy else None, aux, self.aux_loss_coef, differs)
+        return PolicyOutput(out[..., 0], out[..., 1] if entropy else None, aux, self.aux_loss_coef, differs,
+                            out[..., 2:] if teacher_top else None)
 
     def _score(self, head: torch.nn.Module, targets: torch.Tensor, entropy: bool,
                hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, width, 2]: each position's (logprob of its target, entropy or 0), from the
-        hidden states [rows, width, hidden] in chunks of `self.chunk` positions."""
+        """[rows, width, 1 + targets]: each position's (logprob of its target, entropy or 0,
+        logprobs of its other targets: the teacher's top-k ids), from the hidden states [rows,
+        width, hidden] in chunks of `self.chunk` positions; `targets` [rows * width, targets]."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         chunk = partial(self._chunk, head, entropy)
         if len(flat) <= self.chunk:
@@ -141,22 +151,23 @@ class Policy:
                 out = torch.cat([checkpoint(chunk, h, t, use_reentrant=False) for h, t in pieces])
             else:
                 out = torch.cat([chunk(h, t) for h, t in pieces])
-        return out.reshape(*hidden.shape[:-1], 2)
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
     def _chunk(self, head: torch.nn.Module, entropy: bool, hidden: torch.Tensor,
                targets: torch.Tensor) -> torch.Tensor:
-        """[n, 2] (logprob, entropy) of `n` positions: the only place logits exist."""
+        """[n, 1 + targets] (logprob of the first target, entropy, logprobs of the others) of `n`
+        positions: the only place logits exist."""
         logits = type(head).forward(head, hidden).float()
         if self.temperature != 1.0:  # x / 1.0 is x: the pass over [n, vocab] is skipped, not rounded
             logits = logits / self.temperature
         if self.unsampled:
             logits[..., self.unsampled] = torch.finfo(logits.dtype).min  # as the engine masks them
         logp_all = torch.log_softmax(logits, -1)
-        logp = logp_all.gather(-1, targets[:, None])[:, 0]
+        logp = logp_all.gather(-1, targets)
         if not entropy:
-            return torch.stack([logp, torch.zeros_like(logp)], -1)
+            return torch.cat([logp[:, :1], torch.zeros_like(logp[:, :1]), logp[:, 1:]], -1)
         src = logp_all if self.entropy_in_loss else logp_all.detach()
-        return torch.stack([logp, -(src.exp() * src).sum(-1)], -1)
+        return torch.cat([logp[:, :1], -(src.exp() * src).sum(-1, keepdim=True), logp[:, 1:]], -1)
 
     def _precision(self) -> contextlib.AbstractContextManager:
         if self.autocast == "none":

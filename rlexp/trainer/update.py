@@ -31,14 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from rlexp.algorithms.advantages import AdvantageInputs
+from rlexp.algorithms.distill import reverse_kl, topk_forward_kl
 from rlexp.algorithms.objective import Objective, TokenInputs
 from rlexp.sample import Sample
 from rlexp.trainer import distributed
-from rlexp.trainer.batch import Layout, Minibatch, TrainBatch, trained
+from rlexp.trainer.batch import Layout, MicroBatch, Minibatch, TrainBatch, trained
 from rlexp.trainer.critic import Critic
 from rlexp.trainer.fit_metrics import FitObserver, Laps
 from rlexp.trainer.metric_sums import MetricSums
-from rlexp.trainer.policy import Policy
+from rlexp.trainer.policy import Policy, PolicyOutput
 from rlexp.trainer.sync_check import SyncCheck
 
 
@@ -137,7 +138,8 @@ def advantages(learner: Learner, batch: TrainBatch, old: torch.Tensor, ref: torc
                values: torch.Tensor | None) -> Signals:
     """Per-token advantages (and a critic's targets) from the rows' rewards and groups, with
     the KL penalty in the reward (`kl.where=reward`: old vs reference logprobs, every rank's
-    rows gathered) and the critic's values where the algorithm has them."""
+    rows gathered), the critic's values where the algorithm has them, and the reverse KL to a
+    teacher where one scored the rows (on-policy distillation: rlexp/algorithms/distill.py)."""
     objective, device = learner.objective, learner.policy.device
     token_rewards = None
     if objective.kl.in_reward:
@@ -145,9 +147,12 @@ def advantages(learner: Learner, batch: TrainBatch, old: torch.Tensor, ref: torc
         old_all = distributed.all_reduce_(old.clone(), "sum") if learner.recompute else old
         ref_all = distributed.all_reduce_(ref.clone(), "sum")
         token_rewards = objective.kl.token_rewards(old_all, ref_all, batch.loss_mask.to(device)).cpu()
+    teacher = batch.teacher
     x = AdvantageInputs(batch.rewards, batch.groups, completed=torch.ones(len(batch), dtype=torch.bool),
                         mask=batch.loss_mask, token_rewards=token_rewards,
-                        values=values.cpu() if values is not None else None)
+                        values=values.cpu() if values is not None else None,
+                        reverse_kl=None if teacher is None else reverse_kl(
+                            batch.rollout_logprobs, teacher.logprobs, teacher.scored * batch.loss_mask))
     adv, returns = objective.advantages(x)
     return Signals(old, ref, adv.to(device), values, returns.to(device) if returns is not None else None)
 
@@ -164,11 +169,21 @@ def forward_backward(learner: Learner, batch: TrainBatch, minibatch: Minibatch, 
         x = TokenInputs(out.logprobs, micro.take(signals.old), micro.take(batch.rollout_logprobs).to(device),
                         micro.take(signals.advantages), mask)
         ref = micro.take(signals.ref) if signals.ref is not None else None
-        loss, terms = objective.token_loss(x, out.entropy, ref)
+        loss, terms = objective.token_loss(x, out.entropy, ref, teacher_forward_kl(batch, micro, out))
         aux, aux_logged = out.aux_term(mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
         (objective.aggregate(loss, mask, totals) + aux).backward()
         if watch is not None:
             watch.micro_batch(micro, out, x, terms, totals, aux_logged)
+
+
+def teacher_forward_kl(batch: TrainBatch, micro: MicroBatch, out: PolicyOutput) -> torch.Tensor | None:
+    """The top-k forward KL to the teacher at each of the micro-batch's tokens the teacher
+    scored (distill.py), when the policy's forward scored the teacher's top-k ids; else None."""
+    if out.teacher_top is None or batch.teacher is None or batch.teacher.top_logprobs is None:
+        return None
+    device = out.teacher_top.device
+    teacher_top = batch.teacher.top_logprobs[micro.rows, micro.columns].to(device)
+    return topk_forward_kl(out.teacher_top, teacher_top) * micro.take(batch.teacher.scored).to(device)
 
 
 def optimizer_step(learner: Learner, skip: bool = False) -> torch.Tensor:
