@@ -93,7 +93,7 @@ def _byte_level_spans(pieces: list[bytes]) -> tuple[str, Spans, Ends, set[int]]:
         if any(bad_byte[start:end]):
             bad.add(t)
         ends.append(floor[end] if boundary[end] else None)
-        whole = boundary[start] and boundary[end]
+        whole = boundary[start] and boundary[end] and t not in bad
         spans.append((floor[start], floor[end]) if whole else (floor[end], floor[end]))
         start = end
     text = "".join("\ufffd" if "\udc80" <= c <= "\udcff" else c for c in chars)

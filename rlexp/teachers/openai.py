@@ -55,15 +55,17 @@ class Malformed(ValueError):
 class OpenAITeacher:
     """`base_url`: the server's OpenAI root ("http://127.0.0.1:8000/v1"); `model`: the served
     model's name; `api_key`: sent as a bearer token; `top_k`: alternatives per position besides
-    the token's own logprob; `timeout_s`: the longest one request may take; `max_concurrency`:
-    requests in flight at once; `tokenizer`: the directory of the teacher's tokenizer (None: the
-    student's)."""
+    the token's own logprob; `timeout_s`: the longest one request may take once sent (waiting
+    for a slot does not count); `max_concurrency`: requests in flight at once; `tokenizer`: the
+    directory of the teacher's tokenizer (None: the student's); `align`: that tokenizer differs
+    from the student's, its scores are mapped through the text."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, top_k: AtLeast0 = 0,
-                 timeout_s: Positive = 60.0, max_concurrency: AtLeast1 = 32, tokenizer: str | None = None):
+                 timeout_s: Positive = 60.0, max_concurrency: AtLeast1 = 32, tokenizer: str | None = None,
+                 align: bool = False):
         self.base_url, self.model, self.api_key = base_url.rstrip("/"), model, api_key
         self.top_k, self.timeout_s, self.max_concurrency = top_k, timeout_s, max_concurrency
-        self.tokenizer_path = tokenizer
+        self.tokenizer_path, self.align = tokenizer, align
         self.url = f"{self.base_url}/completions"
         self._client: httpx.AsyncClient | None = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -91,7 +93,7 @@ class OpenAITeacher:
             raise TeacherError("teacher=openai: no tokens to score")
         client, slots = self._client_here()
         request = {"model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 1.0,
-                "prompt_logprobs": self.top_k, "echo": False}
+                   "prompt_logprobs": self.top_k, "echo": False}
         async with slots:
             try:
                 reply = await asyncio.wait_for(client.post(self.url, json=request), self.timeout_s)
@@ -120,11 +122,10 @@ class OpenAITeacher:
         try:
             with httpx.Client(headers=self._headers(), timeout=CHECK_TIMEOUT_S, trust_env=False) as http:
                 reply = http.get(url)
-        except httpx.HTTPError as e:
-            port = httpx.URL(self.base_url).port or "..."
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise ConfigError(f"teacher=openai: {self.base_url} is unreachable ({_reason(e)}): start the "
                               f"teacher's server (e.g. `vllm serve <dir> --served-model-name {self.model} "
-                              f"--port {port}`) or set teacher.base_url") from None
+                              f"--port {_port(self.base_url)}`) or set teacher.base_url") from None
         if reply.status_code != 200:
             raise ConfigError(f"teacher=openai: {url} answered HTTP {reply.status_code}: "
                               f"{_one_line(reply.text)}")
@@ -222,6 +223,13 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def _port(url: str) -> str:
+    try:
+        return str(httpx.URL(url).port or "...")
+    except httpx.InvalidURL:
+        return "..."
 
 
 def _reason(e: BaseException) -> str:
