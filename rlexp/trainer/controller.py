@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file
+from torch.optim.lr_scheduler import LambdaLR
 
 from rlexp.algorithms.advantages import AdvantageEstimator, GroupNormalized
 from rlexp.algorithms.distill import DistillTerm
@@ -99,11 +100,9 @@ class TrainController:
         lora_reference = bool(self.lora_scaling) and keep_ref  # the reference: the model, adapters off
         policy = _policy(model, ref, lora_reference, temperature, device, routing_replay,
                          router_aux_loss_coef, logits_chunk_tokens, mixed_precision, objective)
-        value_model = critic and critic(
-            policy_path=model_path, total_steps=total_steps, dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing, mixed_precision=mixed_precision)
-        opt = optimizer([p for p in model.parameters() if p.requires_grad])
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(lr_schedule, warmup_steps, total_steps))
+        value_model = _value_model(critic, model_path, total_steps, dtype, gradient_checkpointing,
+                                   mixed_precision)
+        opt, schedule = _optimizer(optimizer, model, lr_factor(lr_schedule, warmup_steps, total_steps))
         checker = (sync_check or SyncCheck)(trainer_dtype=_compute_dtype(dtype, mixed_precision))
         self.learner = update.Learner(
             policy, objective, opt, schedule, checker, value_model or None,
@@ -189,6 +188,22 @@ def _policy(model: Any, ref: torch.nn.Module | None, lora_reference: bool, tempe
     return Policy(model, ref, lora_reference, temperature, placeholder_ids(model.config), moe, device,
                   entropy_in_loss=bool(objective.entropy_coef), logits_chunk_tokens=logits_chunk_tokens,
                   autocast=autocast, teacher_top=bool(objective.distill.forward_kl_coef))
+
+
+def _optimizer(optimizer: Callable[..., torch.optim.Optimizer], model: torch.nn.Module,
+               factor: Callable[[int], float]) -> tuple[torch.optim.Optimizer, LambdaLR]:
+    """The optimizer over the trained parameters (LoRA: the adapters), and its lr schedule."""
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _value_model(critic: Callable[..., Critic] | None, policy_path: str, total_steps: int, dtype: str,
+                 gradient_checkpointing: bool, mixed_precision: str) -> Critic | None:
+    """advantage=gae's critic, built from the policy's directory with the trainer's precision."""
+    if critic is None:
+        return None
+    return critic(policy_path=policy_path, total_steps=total_steps, dtype=dtype,
+                  gradient_checkpointing=gradient_checkpointing, mixed_precision=mixed_precision)
 
 
 def _compute_dtype(dtype: str, mixed_precision: str) -> str:
