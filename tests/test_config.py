@@ -21,7 +21,13 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 REQUIRED_OVERRIDES = {("model", "local"): ["model.path=/tmp/x"],
                       ("data", "jsonl"): ["data.source.train_path=/tmp/x.jsonl"],
                       ("judge", "reward_functions"): ["judge.functions=[math.sqrt]"],
-                      ("advantage", "gae"): ["critic=value"], ("critic", "value"): ["advantage=gae"]}
+                      ("advantage", "gae"): ["critic=value"], ("critic", "value"): ["advantage=gae"],
+                      ("advantage", "distill"): ["teacher=local", "teacher.model_path=/tmp/x"],
+                      ("recipe", "distill"): ["teacher=local", "teacher.model_path=/tmp/x"],
+                      ("recipe", "grpo_distill"): ["teacher=local", "teacher.model_path=/tmp/x"],
+                      ("teacher", "local"): ["teacher.model_path=/tmp/x"],
+                      ("teacher", "openai"): ["teacher.model=x"],
+                      ("experiment", "distill"): ["teacher.model_path=/tmp/x"]}
 
 
 def _compose(overrides):
@@ -47,6 +53,8 @@ def test_every_option_composes_and_validates(group, option):
     validate(cfg)
     if group == "critic":
         assert (cfg.trainer.critic is None) == (option == "none")
+    elif group == "teacher":
+        assert (cfg.teacher is None) == (option == "none")
     elif group in ALGORITHM_GROUPS:  # placed under the trainer
         assert cfg.trainer[group]._target_.startswith("rlexp.algorithms.")
     elif group not in ("experiment", "recipe"):
