@@ -43,13 +43,16 @@ def _refused(res):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_model_path):
+@pytest.mark.parametrize("session", [[], ["agent=multiturn", "judge=multiturn", "scheduler=async"]],
+                         ids=["single_turn", "multiturn_async"])
+def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_model_path, session):
     """The student's own weights as the teacher: the reverse KL of the first step's samples
     (sampled by those weights) is 0 up to the engines' float noise, at every token: an
-    off-by-one between the teacher's positions and the student's would show as nats."""
+    off-by-one between the teacher's positions and the student's would show as nats. In
+    multi-turn sessions the environment's tokens are context, never scored."""
     store = new_store(tmp_path / "run")
     res, uri = _run(store, "model=local", f"model.path={tiny_model_path}", "rollout.max_model_len=256",
-                    "rollout.max_response_tokens=8", "teacher=local",
+                    "rollout.max_response_tokens=8", "teacher=local", *session,
                     f"teacher.model_path={tiny_model_path}", "recipe=distill", "trainer.total_steps=2")
     assert res.returncode == 0, res.stderr[-4000:]
     client, run = _the_run(uri)
@@ -61,12 +64,15 @@ def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_mo
     path = client.download_artifacts(run.info.run_id, "traces/step_00001.jsonl")
     lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
     assert len(lines) == 16
+    turns = 0
     for row in lines:
+        turns += sum(t["mask"] for t in row["turns"])
         assert len(row["teacher_logprobs"]) == len(row["token_ids"])
         for lp, teacher, trained in zip(row["logprobs"], row["teacher_logprobs"], row["loss_mask"]):
             assert (teacher is None) == (not trained)
             if trained:
                 assert teacher == pytest.approx(lp, abs=1e-3)
+    assert turns > len(lines) if session else turns == len(lines)  # some sessions took several turns
 
 
 @pytest.mark.slow

@@ -25,7 +25,9 @@ import httpx
 import pytest
 
 from rlexp.errors import ConfigError, TeacherError
+from rlexp.sample import TeacherScores
 from rlexp.teachers.openai import OpenAITeacher, parse_reply
+from rlexp.teachers.scoring import own_tokens
 
 TOKENS = [5, 6, 7, 8, 9]
 SERVER_START_FAILSAFE_S = 300  # turns a server that never comes up into a failure (~25 s alone on 2 cores)
@@ -292,6 +294,20 @@ def sequences(tokenizer) -> list[list[int]]:
     return [*encoded, encoded[0][:1], [(7 * i + 3) % len(tokenizer) for i in range(60)]]
 
 
+def distill_advantages(student: list[float], teacher: TeacherScores, mask: list[int]) -> Any:
+    """advantage=distill's advantages of one sample from its teacher scores."""
+    import torch
+
+    from rlexp.algorithms.advantages import AdvantageInputs
+    from rlexp.algorithms.distill import Distillation, reverse_kl
+
+    m = torch.tensor([mask[1:]], dtype=torch.float32)
+    scored = m * torch.tensor([teacher.scored[1:]], dtype=torch.float32)
+    d = reverse_kl(torch.tensor([student[1:]]), torch.tensor([teacher.logprobs[1:]]), scored)
+    x = AdvantageInputs(torch.zeros(1), [0], torch.ones(1, dtype=torch.bool), m, reverse_kl=d)
+    return Distillation()(x)
+
+
 def transformers_logprobs(model_path: str, sequences: list[list[int]]) -> list[Any]:
     """log_softmax of a float32 transformers forward, each position's row [n - 1, vocab]."""
     import torch
@@ -326,8 +342,10 @@ def test_vllm_servers_scores_are_the_models_logprobs(vllm_server, tiny_model_pat
 @pytest.mark.vllm
 def test_vllm_servers_scores_are_teacher_locals(vllm_server, tiny_model_path, sequences):
     """The same model behind a server (teacher=openai) and in an engine of the run's own
-    (teacher=local) scores the same tokens the same."""
-    local = pytest.importorskip("rlexp.teachers.local")
+    (teacher=local) scores the same tokens the same, and gives the same distillation
+    advantages (the tokens after the first 3 trained, the student's logprobs made up)."""
+    from rlexp.teachers import local
+
     served = score(OpenAITeacher(vllm_server, "tiny", top_k=3), *sequences)
 
     async def in_engine() -> list[Any]:
@@ -341,3 +359,11 @@ def test_vllm_servers_scores_are_teacher_locals(vllm_server, tiny_model_path, se
         assert len(a.logprobs) == len(b.logprobs)
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5
         assert [set(t) for t in a.top] == [set(t) for t in b.top]
+    for s, a, b in zip(sequences, served, asyncio.run(in_engine())):
+        if len(s) < 5:
+            continue
+        mask = [0] * 3 + [1] * (len(s) - 3)
+        student = [-0.1 * (i % 7) for i in range(len(s))]
+        adv = [distill_advantages(student, own_tokens(x, mask, 0), mask) for x in (a, b)]
+        assert adv[0].abs().sum() > 0
+        assert (adv[0] - adv[1]).abs().max().item() < 1e-5
