@@ -43,8 +43,10 @@ def _refused(res):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("session", [[], ["agent=multiturn", "judge=multiturn", "scheduler=async"]],
-                         ids=["single_turn", "multiturn_async"])
+@pytest.mark.parametrize("session", [
+    ["recipe=distill"], ["recipe=distill", "agent=multiturn", "judge=multiturn", "scheduler=async"],
+    ["recipe=grpo_distill", "teacher.top_k=4", "trainer.distill.forward_kl_coef=1.0"],
+], ids=["single_turn", "multiturn_async", "grpo_top_k_forward_kl"])
 def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_model_path, session):
     """The student's own weights as the teacher: the reverse KL of the first step's samples
     (sampled by those weights) is 0 up to the engines' float noise, at every token: an
@@ -53,10 +55,13 @@ def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_mo
     store = new_store(tmp_path / "run")
     res, uri = _run(store, "model=local", f"model.path={tiny_model_path}", "rollout.max_model_len=256",
                     "rollout.max_response_tokens=8", "teacher=local", *session,
-                    f"teacher.model_path={tiny_model_path}", "recipe=distill", "trainer.total_steps=2")
+                    f"teacher.model_path={tiny_model_path}", "trainer.total_steps=2")
     assert res.returncode == 0, res.stderr[-4000:]
     client, run = _the_run(uri)
     m = run.data.metrics
+    if "teacher.top_k=4" in session:  # the same distribution: every top-k bucket agrees
+        forward = client.get_metric_history(run.info.run_id, "train/distill_forward_kl")
+        assert [x.step for x in forward] == [1, 2] and 0 <= forward[0].value < 1e-3
     first = client.get_metric_history(run.info.run_id, "distill/reverse_kl")
     assert [x.step for x in first] == [1, 2] and abs(first[0].value) < 1e-3
     assert m["distill/scored_frac"] == 1.0 and m["teacher/failed"] == 0.0
@@ -72,7 +77,8 @@ def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_mo
             assert (teacher is None) == (not trained)
             if trained:
                 assert teacher == pytest.approx(lp, abs=1e-3)
-    assert turns > len(lines) if session else turns == len(lines)  # some sessions took several turns
+    # some multi-turn sessions took several turns
+    assert turns > len(lines) if "agent=multiturn" in session else turns == len(lines)
 
 
 @pytest.mark.slow
