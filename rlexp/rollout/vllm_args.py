@@ -1,8 +1,11 @@
 """The arguments vLLM's engine is started with (`AsyncEngineArgs`), from VLLMEngine's settings:
-those of every engine, then those that depend on the device and on the features asked for."""
+those of every engine, then those that depend on the device and on the features asked for;
+and the environment it starts in."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 from rlexp.models.local import resolve_dtype
@@ -58,3 +61,18 @@ def device_args(on_gpu: bool, kv_cache_gb: float, gpu_memory_utilization: float,
 # vLLM keeps it only while VLLM_ENABLE_V1_MULTIPROCESSING=0 (CPU_ENV) is set at the start.
 IN_ENGINE_PROCESS = {"distributed_executor_backend": "uni"}
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Environment variables set while vLLM starts (its processes inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

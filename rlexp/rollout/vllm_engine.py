@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import itertools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -33,21 +31,6 @@ from rlexp.weights.protocols import EngineProcess, in_process
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 20.0  # for the engine process to exit by itself before vLLM kills it
-
-
-@contextlib.contextmanager
-def _env(**values: str):
-    """Environment variables set while vLLM starts (its processes inherit them)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class VLLMEngine:
@@ -119,7 +102,8 @@ class VLLMEngine:
         orphans.reap(reaper.TEMP_PREFIX)
         self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
         before, names_before = reaper.snapshot(), reaper.temp_names()
-        with _env(VLLM_RPC_BASE_PATH=str(self._temp), **({} if on_gpu else vllm_args.CPU_ENV)):
+        env = {"VLLM_RPC_BASE_PATH": str(self._temp), **({} if on_gpu else vllm_args.CPU_ENV)}
+        with vllm_args.environment(**env):
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         self._reaper = reaper.start(before)
         orphans.own(self._temp, reaper.new_temp_files(before, names_before))
