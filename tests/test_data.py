@@ -3,8 +3,9 @@ import json
 import pytest
 
 from rlexp.data import arithmetic
+from rlexp.data.file_sources import JsonlSource
 from rlexp.data.manager import DataManager
-from rlexp.data.sources import ArithmeticSource, JsonlSource, Problem
+from rlexp.data.sources import ArithmeticSource, Problem
 
 
 def test_arithmetic_split_is_deterministic_disjoint_and_correct():

@@ -8,7 +8,7 @@ import random
 import datasets
 import pytest
 
-from rlexp.data.sources import HFDiskSource, JsonlSource, ParquetSource
+from rlexp.data.file_sources import HFDiskSource, JsonlSource, ParquetSource
 from tests.data_source_helpers import _jsonl, _parquet
 
 PLAIN = {"answer_pattern": None}  # the answers here are the whole field, not GSM8K's "#### n"

@@ -13,7 +13,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from rlexp.data.sources import HFDiskSource, JsonlSource, ParquetSource
+from rlexp.data.file_sources import HFDiskSource, JsonlSource, ParquetSource
 from tests.data_source_helpers import _jsonl, _parquet
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from hydra.utils import get_object
 
 from rlexp.chat.render import encode, render_prompt
 from rlexp.config import _signature, validate
-from rlexp.data.sources import JsonlSource
+from rlexp.data.file_sources import JsonlSource
 from rlexp.errors import ConfigError
 from rlexp.preflight import ImageTokens, LightTokenizer, preflight
 from rlexp.sample import split_images
@@ -51,7 +51,7 @@ def test_static_signature_reports_what_does_not_exist():
 def test_static_signature_reads_an_init_inherited_within_its_module():
     """JsonlSource and ParquetSource share `_FileSource.__init__`: the static check still
     refuses a key that is not an argument before any file is read."""
-    for target in ("rlexp.data.sources.JsonlSource", "rlexp.data.sources.ParquetSource"):
+    for target in ("rlexp.data.file_sources.JsonlSource", "rlexp.data.file_sources.ParquetSource"):
         params, _ = static_signature(target)
         assert list(params)[:2] == ["train_path", "eval_path"] and "image_key" in params
 
@@ -109,9 +109,9 @@ def bad_files(tmp_path_factory):
       "data.prompts_per_step=4"], "1 prompt(s) of the train split do not fit"),
     (["model=local", "model.path={model}", "data=jsonl_images", "data.source.train_path={d}/images.jsonl",
       "data.source.eval_size=1", "data.prompts_per_step=1"],
-     "data.source (rlexp.data.sources.JsonlSource, train_path={d}/images.jsonl) has images, but the model "
-     "at {model} is not a vision-language model (its config.json has no vision_config); use one, e.g. "
-     "model=vlm"),
+     "data.source (rlexp.data.file_sources.JsonlSource, train_path={d}/images.jsonl) has images, but the "
+     "model at {model} is not a vision-language model (its config.json has no vision_config); use one, "
+     "e.g. model=vlm"),
 ])
 def test_bad_input_is_reported_before_any_heavy_import(overrides, message, bad_files, tiny_model_path):
     """In a fresh process, as `python -m rlexp.run` starts: the error, and none of torch,
@@ -247,6 +247,6 @@ def test_images_need_a_model_with_an_image_processor(vlm_path, image_rows, tmp_p
     with pytest.raises(ConfigError) as err:
         preflight(_vlm_cfg(model, image_rows, "rollout.max_model_len=4096"))
     assert str(err.value) == (
-        f"data.source (rlexp.data.sources.JsonlSource, train_path={image_rows}/train.jsonl) has images, "
+        f"data.source (rlexp.data.file_sources.JsonlSource, train_path={image_rows}/train.jsonl) has images, "
         f"but the model at {model} is not a vision-language model (it has no image processor: no "
         f"preprocessor_config.json, no image_processor in processor_config.json); use one, e.g. model=vlm")

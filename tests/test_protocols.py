@@ -24,15 +24,9 @@ from rlexp.cluster import Cluster, LocalCluster
 from rlexp.cluster.pool import RolloutPool
 from rlexp.cluster.ray_cluster import RayCluster
 from rlexp.cluster.trainer_group import TrainerGroup
+from rlexp.data.file_sources import HFDiskSource, JsonlSource, ParquetSource
 from rlexp.data.shapes import ShapesSource
-from rlexp.data.sources import (
-    ArithmeticSource,
-    HFDiskSource,
-    HubSource,
-    JsonlSource,
-    ParquetSource,
-    PromptSource,
-)
+from rlexp.data.sources import ArithmeticSource, HubSource, PromptSource
 from rlexp.evaluator import Evaluator
 from rlexp.guards import AgentGuard, JudgeGuard
 from rlexp.judges.faulty import FaultyJudge
