@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Annotated
 
-from rlexp.constraints import AtLeast0, AtLeast1, AtLeast2, Dtype, Positive
+from annotated_types import Ge, Le
+
+from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Positive
 from rlexp.errors import ConfigError, TeacherError
 from rlexp.rollout.vllm_engine import VLLMEngine
 from rlexp.sample import PromptLogprobs
+
+TopK = Annotated[int, Ge(0), Le(20)]  # vLLM returns at most max_logprobs (20) per position
 
 
 class LocalTeacher:
@@ -19,7 +24,7 @@ class LocalTeacher:
     the token's own logprob; `timeout_s`: the longest a sequence's scoring may take; `align`:
     its tokenizer differs from the student's, its scores are mapped through the text."""
 
-    def __init__(self, model_path: str, seed: int = 0, top_k: AtLeast0 = 0, dtype: Dtype = "float32",
+    def __init__(self, model_path: str, seed: int = 0, top_k: TopK = 0, dtype: Dtype = "float32",
                  max_model_len: AtLeast2 = 256, kv_cache_gb: Positive = 1.0, max_num_seqs: AtLeast1 = 256,
                  timeout_s: Positive = 60.0, align: bool = False):
         if not (Path(model_path) / "config.json").is_file():
