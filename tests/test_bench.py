@@ -80,3 +80,26 @@ def test_vs_trl_bench_says_how_to_install_trl_when_it_is_missing(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "scripts/install_trl.sh" in res.stdout and "ratio:" not in res.stdout
+
+
+def test_distill_tokens_counts_the_student_tokens_sampled_until_the_target(tmp_path):
+    """bench/distill_tokens.py: tokens are summed over the steps before each evaluation, and
+    the target is reached at the first evaluation at or above it."""
+    import importlib.util
+
+    from mlflow.tracking import MlflowClient
+
+    spec = importlib.util.spec_from_file_location("distill_tokens", ROOT / "bench" / "distill_tokens.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("t")).info.run_id
+    for step, tokens in enumerate([100, 120, 90, 110], start=1):
+        client.log_metric(run_id, "rollout/tokens", tokens, step=step)
+    for step, acc in [(0, 0.2), (2, 0.5), (4, 0.75)]:
+        client.log_metric(run_id, "eval/accuracy", acc, step=step)
+    points = bench.curve(client, client.get_run(run_id))
+    assert points == [(0, 0.0, 0.2), (2, 220.0, 0.5), (4, 420.0, 0.75)]
+    assert bench.reached(points, 0.72) == (4, 420.0)
+    assert bench.reached(points, 0.5) == (2, 220.0)
+    assert bench.reached(points, 0.8) is None
