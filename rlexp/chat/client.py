@@ -27,6 +27,7 @@ from rlexp.chat import structured
 from rlexp.chat.images import ImagePrompts
 from rlexp.chat.render import encode
 from rlexp.chat.reply_end import TOOL_CALL, cut
+from rlexp.chat.request_sampling import choice_sampling, request_sampling
 from rlexp.chat.schema import ChatRequest, CompletionRequest, parse
 from rlexp.chat.session import ChatSession, PrefixBreak
 from rlexp.chat.streaming import ChunkStream, Emit
@@ -124,7 +125,8 @@ class SessionStore:
                     for m in messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
         prompt = session.prepare(rendered, tools)
-        sampling = self._request_sampling(request, default or self._sampling[session_id], len(prompt.trace))
+        sampling = request_sampling(request, default or self._sampling[session_id], len(prompt.trace),
+                                    self.max_context, self.tokenizer)
         sampling = dataclasses.replace(sampling, constraint=structured.constraint(request),
                                        top_logprobs=request.top_logprobs or 0)
         calls_allowed = bool(tools) and request.tool_choice != "none"
@@ -133,8 +135,8 @@ class SessionStore:
         one_call = calls_allowed and request.parallel_tool_calls is False and not request.forced_tools
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=True) if emit else None
         token_by_token = not calls_allowed and not request.stops
-        gens = [await self._generate_choice(prompt.trace.tokens, _nth(sampling, i), i, stream, token_by_token,
-                                            prompt.images or None)
+        gens = [await self._generate_choice(prompt.trace.tokens, choice_sampling(sampling, i), i, stream,
+                                            token_by_token, prompt.images or None)
                 for i in range(request.n or 1)]
         choices: list[dict[str, Any]] = []
         for i, gen in enumerate(gens):  # no await from here on: all choices are recorded, or none
@@ -209,12 +211,12 @@ class SessionStore:
         if len(ids) >= self.max_context:
             raise SessionError(f"prompt has {len(ids)} tokens; the context is {self.max_context}",
                                param="prompt")
-        sampling = self._request_sampling(request, self.engine.sampling, len(ids))
+        sampling = request_sampling(request, self.engine.sampling, len(ids), self.max_context, self.tokenizer)
         sampling = dataclasses.replace(sampling, top_logprobs=request.logprobs or 0)
         stream = ChunkStream(emit, self.tokenizer, self.model_name, chat=False) if emit else None
         choices: list[dict[str, Any]] = []
         for i in range(request.n or 1):
-            gen = await self._generate_choice(ids, _nth(sampling, i), i, stream,
+            gen = await self._generate_choice(ids, choice_sampling(sampling, i), i, stream,
                                               not request.stops and request.logprobs is None)
             gen, text, _ = cut(gen, self.tokenizer, request.stops, False, len(ids))
             choices.append({"index": i, "text": text, "token_ids": gen.token_ids,
@@ -258,40 +260,6 @@ class SessionStore:
             return await (call() if call else self.engine.generate(token_ids, sampling, images))
         except ValueError as e:  # the engine's own input checks (vLLM's VLLMValidationError)
             raise SessionError(f"the engine rejected the request: {e}") from e
-
-    def _request_sampling(self, request: ChatRequest | CompletionRequest, default: SamplingConfig,
-                          prompt_len: int) -> SamplingConfig:
-        """The request's sampling settings over `default`; asking for more tokens than the
-        context has room for is an error (OpenAI's and vLLM's answer), not a silent cap."""
-        room = self.max_context - prompt_len
-        asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
-        if asked is not None and asked > room:
-            field = "max_tokens" if asked == request.max_tokens else "max_completion_tokens"
-            raise SessionError(f"{field} is {asked}, but the prompt has {prompt_len} tokens and the context "
-                               f"is {self.max_context}: at most {room} tokens can be generated", param=field)
-        return SamplingConfig(
-            temperature=default.temperature if request.temperature is None else request.temperature,
-            top_p=default.top_p if request.top_p is None else request.top_p,
-            max_tokens=min(asked or default.max_tokens, room),
-            seed=request.seed if "seed" in request.model_fields_set else default.seed,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            presence_penalty=request.presence_penalty or 0.0, logit_bias=self._logit_bias(request.logit_bias))
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
-        if not bias:
-            return None
-        out = {int(k): v for k, v in bias.items()}
-        if max(out) >= len(self.tokenizer):
-            raise SessionError(f"logit_bias: token id {max(out)} is not in the vocabulary "
-                               f"(size {len(self.tokenizer)})", param="logit_bias")
-        return out
-
-
-def _nth(sampling: SamplingConfig, i: int) -> SamplingConfig:
-    """Choice i's sampling: seed + i, wrapped into the signed 64-bit range (None stays None)."""
-    if sampling.seed is None:
-        return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + i + 2**63) % 2**64 - 2**63)
 
 
 class Recording:
