@@ -5,6 +5,7 @@ scores a sequence as one prefill returning its prompt logprobs (rlexp/rollout/vl
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -30,7 +31,8 @@ class LocalTeacher:
         if not (Path(model_path) / "config.json").is_file():
             raise ConfigError(f"teacher.model_path={model_path}: no model directory (config.json) there")
         self.top_k, self.timeout_s, self.tokenizer_path, self.align = top_k, timeout_s, model_path, align
-        self.engine = VLLMEngine(model_path, seed, dtype=dtype, max_model_len=max_model_len,
+        engine_len = _engine_len(model_path, max_model_len)
+        self.engine = VLLMEngine(model_path, seed, dtype=dtype, max_model_len=engine_len,
                                  kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs, group_requests=False)
 
     async def score(self, token_ids: list[int]) -> PromptLogprobs:
@@ -42,3 +44,12 @@ class LocalTeacher:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _engine_len(model_path: str, max_model_len: int) -> int:
+    """vLLM scores a prompt only with room for one generated token: a sample of
+    `max_model_len` tokens needs an engine of one more, where the model's positions allow."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    positions = config.get("max_position_embeddings") or text.get("max_position_embeddings")
+    return max_model_len + 1 if positions is None or positions > max_model_len else max_model_len
