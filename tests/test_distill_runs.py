@@ -34,7 +34,12 @@ def test_a_local_teacher_scores_every_trained_token(tmp_path, new_store, tiny_mo
     first = client.get_metric_history(run.info.run_id, "distill/reverse_kl")
     assert [x.step for x in first] == [1, 2] and abs(first[0].value) < 1e-3
     assert m["distill/scored_frac"] == 1.0 and m["teacher/failed"] == 0.0
-    assert m["teacher/scored_samples"] == 16.0 and m["teacher/tokens_per_s"] > 0
+    assert m["teacher/tokens_per_s"] > 0
+    scored = [x.value for x in client.get_metric_history(run.info.run_id, "teacher/scored_samples")]
+    if "scheduler=async" in session:  # samples are scored as they finish, for this batch or the next
+        assert sum(scored) >= 16.0
+    else:
+        assert scored == [16.0, 16.0]
     path = client.download_artifacts(run.info.run_id, "traces/step_00001.jsonl")
     lines = [json.loads(x) for x in Path(path).read_text().splitlines()]
     assert len(lines) == 16
