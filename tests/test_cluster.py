@@ -136,7 +136,9 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
             await asyncio.sleep(0)
         os.kill(pid, signal.SIGKILL)  # the replica's actor process, mid-generation
         gens = await asyncio.gather(*tasks)  # every request finishes, on the other replica
-        assert not pool._healthy[0]  # the pool saw the replica die
+        # the pool saw the replica die: it is still restarting, or (a slow machine: the other
+        # replica took longer over the requests than Ray over the restart) already back once
+        assert not pool._healthy[0] or pool.restarts[0] == 1
         assert all(g.versions == [7] * len(g.token_ids) for g in gens)
         # the pool's recovery: Ray restarts the actor, the pool loads the current weights into it
         await asyncio.wait_for(asyncio.gather(*pool._recovering.values()), RESTART_FAILSAFE_S)
