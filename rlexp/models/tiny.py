@@ -150,14 +150,14 @@ def _build(out: Path, p: dict, args: dict, key: str) -> None:
 
 
 def _random_model(tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_experts: int = 0,
-                  experts_per_token: int = 2):
+                  experts_per_token: int = 2, vocab_size: int = 128):
     import transformers
 
     moe = {"num_experts": num_experts, "num_experts_per_tok": experts_per_token, "decoder_sparse_step": 1,
            "moe_intermediate_size": hidden_size, "norm_topk_prob": True, "mlp_only_layers": [],
            "head_dim": hidden_size // num_heads, "attention_bias": False} if num_experts else {}
     config = getattr(transformers, "Qwen3MoeConfig" if num_experts else "Qwen2Config")(
-        vocab_size=128,
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from rlexp.data import arithmetic
-from rlexp.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, _byte_level, tool_call_text
+from rlexp.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, _byte_level, _random_model, tool_call_text
 
 if TYPE_CHECKING:
     from transformers import Qwen2Tokenizer
@@ -73,25 +73,11 @@ def build_bpe_model(out: Path, seed: int = 0, hidden_size: int = 64, num_layers:
     in `out` (float32, both through save_pretrained) for transformers and vLLM to load.
     hidden_size / num_heads must be a head dim vLLM's CPU attention takes (32, 64, ...)."""
     import torch
-    import transformers
 
     tokenizer = build_bpe_tokenizer()
-    config = transformers.Qwen2Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64,  # every id, rounded up as checkpoints do
-        hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=cast(int, tokenizer.convert_tokens_to_ids("<|im_start|>")),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config)
+    vocab_size = -(-len(tokenizer) // 64) * 64  # every id, rounded up as checkpoints do
+    model = _random_model(tokenizer, hidden_size, num_layers, num_heads, vocab_size=vocab_size)
     out = Path(out)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
