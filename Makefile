@@ -1,6 +1,6 @@
 # make run   - create .venv (first time) and run the default experiment
 # make test  - create .venv (first time), check the pins, lint (ruff, mypy), run the whole test suite
-# make envs  - the environment libraries' own venvs (.venv-verifiers, .venv-openenv; make test needs them)
+# make envs  - the environment libraries' own venvs (.venv-verifiers, -openenv, -tinker; make test needs them)
 # make slurm - SLURM and munge from apt, for the one-node SLURM of the launcher tests (make test runs it)
 # make lock  - re-resolve the pins (requirements/*.in -> requirements/*.txt)
 # make docs  - serve the docs site on http://127.0.0.1:8000 (make test builds it --strict)
@@ -9,7 +9,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-ENVS   := verifiers openenv
+ENVS   := verifiers openenv tinker
 ENV_STAMPS := $(foreach e,$(ENVS),.venv-$(e)/.installed)
 SLURM_STAMP := .cache/slurm.installed
 

@@ -96,5 +96,17 @@ def main(cfg: DictConfig) -> float | None:
     return final.get("eval/accuracy")
 
 
+def cli() -> None:
+    """The `rlexp` command: `rlexp tinker ...` serves the Tinker API (rlexp/tinker/), anything
+    else runs an experiment (`main`)."""
+    if sys.argv[1:2] == ["tinker"]:
+        from rlexp.tinker.__main__ import main as tinker
+
+        sys.argv = [f"{sys.argv[0]} tinker", *sys.argv[2:]]
+        tinker()
+    else:
+        main()
+
+
 if __name__ == "__main__":
     main()

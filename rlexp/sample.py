@@ -43,6 +43,11 @@ class SamplingConfig:
     presence_penalty: float = 0.0  # OpenAI's: subtracted once a token occurred in the reply
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     top_logprobs: int = 0  # alternatives per generated token to return with their logprobs
+    # From the Tinker API's SamplingParams (rlexp/tinker/sampler.py):
+    top_k: int = 0  # sample among the k likeliest tokens only (0: all)
+    stop: tuple[str, ...] = ()  # text that ends the reply (then detokenized as it goes)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the reply (kept in it), besides EOS
+    ignore_eos: bool = False  # EOS does not end the reply
 
     @property
     def depends_on_the_reply(self) -> bool:

@@ -17,9 +17,15 @@ compile() {  # platform, extra uv flags...
 # builds here, and with them present transformers' model classes fail to import.
 compile cpu --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 compile gpu
-# The environment libraries' own venvs (scripts/install_envs.sh), one lock each.
+# The environment libraries' own venvs (scripts/install_envs.sh), one lock each. One that pins
+# torch takes it from the CPU indexes, the CPU build of requirements/cpu.txt (no CUDA wheels);
+# <env>.overrides, where there is one, overrides what the library declares (the file says why).
+mapfile -t cpu_indexes < <(.venv/bin/python scripts/pins.py index-args cpu)
 for in_file in requirements/envs/*.in; do
+  flags=()
+  grep -q '^torch==' "$in_file" && flags+=("${cpu_indexes[@]}")
+  [ -f "${in_file%.in}.overrides" ] && flags+=(--override "${in_file%.in}.overrides")
   .venv/bin/uv pip compile "$in_file" --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-    --no-annotate --quiet --custom-compile-command "make lock" -o "${in_file%.in}.txt"
+    --no-annotate --quiet --custom-compile-command "make lock" "${flags[@]}" -o "${in_file%.in}.txt"
   echo "lock: ${in_file%.in}.txt: $(grep -c '==' "${in_file%.in}.txt") packages"
 done

@@ -47,7 +47,9 @@ trained tokens of sequence i, S the sequences and N = sum_i T_i the tokens of th
     seq_mean_token_sum       sum_i,t l_it / S
     seq_mean_token_mean      sum_i (sum_t l_it / T_i) / S     (the original GRPO objective)
     seq_mean_token_sum_norm  sum_i,t l_it / (S * norm_length)  (Dr.GRPO, arXiv:2503.20783:
-                             a constant, the generation budget, instead of each T_i)"""
+                             a constant, the generation budget, instead of each T_i)
+    token_sum                sum_i,t l_it              (the Tinker API's losses: the caller
+                             normalises through its advantages or weights)"""
 
 from __future__ import annotations
 
@@ -251,6 +253,11 @@ class SeqMeanTokenMean:
     def __call__(self, loss, mask, totals: Totals) -> torch.Tensor:
         per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / totals.seqs
+
+
+class TokenSum:
+    def __call__(self, loss, mask, totals: Totals) -> torch.Tensor:
+        return (loss * mask).sum()
 
 
 class SeqMeanTokenSumNorm:

@@ -29,7 +29,11 @@ def sampling_params(sampling: SamplingConfig, unsampled: Sequence[int] = (), n: 
         presence_penalty=sampling.presence_penalty,
         logit_bias=(sampling.logit_bias or {}) | dict.fromkeys(unsampled, float("-inf")) or None,
         logprobs=sampling.top_logprobs,  # 0: the sampled token's logprob only
-        detokenize=False,  # tokens are the source of truth; text is decoded by the caller
+        top_k=sampling.top_k,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        detokenize=bool(sampling.stop),  # tokens are the source of truth; text only to find a stop
         structured_outputs=constraint,
         n=n,
     )

@@ -153,6 +153,7 @@ class TrainBatch:
     images: Images | None  # a vision-language model's
     routed: RoutedExperts | None  # an MoE's, when the engine recorded them (rollout.routing_capture)
     teacher: TeacherTokens | None  # on-policy distillation's teacher scores (teacher=local | openai)
+    targets: torch.Tensor | None = None  # [N, L-1] long: what each position predicts (None: the next token)
 
     @classmethod
     def build(cls, samples: list[Sample], version: int, layout: Layout,
@@ -176,6 +177,28 @@ class TrainBatch:
             groups=tuple(s.group_id for s in samples), minibatches=minibatches, micro_batches=mine,
             images=Images(tuple(images)) if any(images) else None,
             routed=_routed(samples, width), teacher=TeacherTokens.build(samples, width))
+
+    @classmethod
+    def of_tokens(cls, inputs: list[list[int]], targets: list[list[int]], weights: list[list[float]],
+                  logprobs: list[list[float]], layout: Layout, version: int = 0) -> TrainBatch:
+        """Rows given position by position, as the Tinker API's datums are: row i reads
+        `inputs[i]` and at each of its positions predicts `targets[i]` (any token, not only the
+        next input); `weights[i]` (float) is each position's mask, `logprobs[i]` the sampler's.
+        On-policy, one group per row; no images, routing or teacher."""
+        width = max(len(i) for i in inputs) + 1  # one column per input position
+        lengths = tuple(len(i) + 1 for i in inputs)
+        loss_mask = _padded([list(w) for w in weights], width - 1, 0.0, torch.float32)
+        minibatches, mine = _plan(lengths, loss_mask, layout)
+        zeros = torch.zeros(len(inputs), width - 1)
+        return cls(
+            version=version, produced=len(inputs),
+            input_ids=_padded([i + t[-1:] for i, t in zip(inputs, targets)], width, 0, torch.long),
+            loss_mask=loss_mask, rollout_logprobs=_padded([list(p) for p in logprobs], width - 1, 0.0,
+                                                          torch.float32),
+            staleness=zeros.long(), model_sampled=zeros, lengths=lengths,
+            rewards=torch.zeros(len(inputs)), groups=tuple(range(len(inputs))), minibatches=minibatches,
+            micro_batches=mine, images=None, routed=None, teacher=None,
+            targets=_padded([list(t) for t in targets], width - 1, 0, torch.long))
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -159,12 +159,15 @@ class TrainController:
         if learner.critic:
             learner.critic.save(directory, self.rank)
 
-    def load(self, directory: Path) -> None:
-        """A checkpoint saved by any number of workers (every rank reads the files)."""
+    def load(self, directory: Path, optimizer: bool = True) -> None:
+        """A checkpoint saved by any number of workers (every rank reads the files);
+        `optimizer` False: the weights only (the optimizer and lr schedule as they are)."""
         learner = self.learner
         # LoRA: the frozen base is the model as built; only the adapters were trained
         name, strict = (ADAPTER_FILE, False) if self.lora_scaling else (WEIGHTS_FILE, True)
         distributed.load_model_state(self.model, load_file(str(directory / name)), strict=strict)
+        if not optimizer:
+            return
         state = torch.load(directory / "trainer.pt", map_location="cpu", weights_only=False)
         distributed.load_optimizer_state(self.model, learner.optimizer, state["optimizer"])
         learner.lr_scheduler.load_state_dict(state["lr_scheduler"])

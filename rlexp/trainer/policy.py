@@ -119,7 +119,8 @@ class Policy:
         routed = batch.routed.rows(rows, width, self.device) if batch.routed is not None else None
         predicting = torch.arange(width)[None] < torch.tensor(batch.lengths)[rows, None] - 1
         ids = inputs["input_ids"]
-        targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)[..., None]
+        predicted = ids[:, 1:] if batch.targets is None else batch.targets[rows, :width - 1].to(self.device)
+        targets = torch.cat([predicted, torch.zeros_like(ids[:, :1])], 1)[..., None]
         if teacher_top:  # the teacher's top-k ids of each position, gathered beside the target
             assert batch.teacher is not None and batch.teacher.top_ids is not None, "no teacher top-k"
             top = batch.teacher.top_ids[rows, :width - 1].to(self.device)

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from rlexp.algorithms.advantages import AdvantageInputs
 from rlexp.algorithms.distill import reverse_kl, topk_forward_kl
-from rlexp.algorithms.objective import Objective, TokenInputs
+from rlexp.algorithms.objective import Metrics, Objective, TokenInputs, Totals
 from rlexp.sample import Sample
 from rlexp.trainer import distributed
 from rlexp.trainer.batch import Layout, MicroBatch, Minibatch, TrainBatch, trained
@@ -157,21 +158,31 @@ def advantages(learner: Learner, batch: TrainBatch, old: torch.Tensor, ref: torc
     return Signals(old, ref, adv.to(device), values, returns.to(device) if returns is not None else None)
 
 
+class Watch(Protocol):
+    """What looks at each micro-batch's values (FitObserver; the Tinker server's outputs)."""
+
+    def micro_batch(self, micro: MicroBatch, out: PolicyOutput, x: TokenInputs, terms: Metrics,
+                    totals: Totals, aux_logged: torch.Tensor | None) -> None: ...
+
+
 def forward_backward(learner: Learner, batch: TrainBatch, minibatch: Minibatch, signals: Signals,
-                     watch: FitObserver | None = None) -> None:
+                     watch: Watch | None = None, backward: bool = True) -> None:
     """Each of this rank's micro-batches of `minibatch`: the policy's forward, the objective's
     per-token loss, its share of the minibatch's loss, backward. The gradients add up to the
-    minibatch's until `optimizer_step`."""
+    minibatch's until `optimizer_step`. `backward` False: the forward and the loss only, no
+    gradient kept (the values `watch` sees are the same)."""
     objective, device, totals = learner.objective, learner.policy.device, minibatch.totals
     for micro in minibatch.micro_batches:
-        out = learner.policy(batch, micro)
-        mask = micro.take(batch.loss_mask).to(device) if micro.real else torch.zeros_like(out.logprobs)
-        x = TokenInputs(out.logprobs, micro.take(signals.old), micro.take(batch.rollout_logprobs).to(device),
-                        micro.take(signals.advantages), mask)
-        ref = micro.take(signals.ref) if signals.ref is not None else None
-        loss, terms = objective.token_loss(x, out.entropy, ref, teacher_forward_kl(batch, micro, out))
-        aux, aux_logged = out.aux_term(mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
-        (objective.aggregate(loss, mask, totals) + aux).backward()
+        with torch.set_grad_enabled(backward and torch.is_grad_enabled()):
+            out = learner.policy(batch, micro)
+            mask = micro.take(batch.loss_mask).to(device) if micro.real else torch.zeros_like(out.logprobs)
+            old, adv = micro.take(signals.old), micro.take(signals.advantages)
+            x = TokenInputs(out.logprobs, old, micro.take(batch.rollout_logprobs).to(device), adv, mask)
+            ref = micro.take(signals.ref) if signals.ref is not None else None
+            loss, terms = objective.token_loss(x, out.entropy, ref, teacher_forward_kl(batch, micro, out))
+            aux, aux_logged = out.aux_term(mask.sum() / totals.tokens)  # 0 unless an MoE's aux loss is on
+            if backward:
+                (objective.aggregate(loss, mask, totals) + aux).backward()
         if watch is not None:
             watch.micro_batch(micro, out, x, terms, totals, aux_logged)
 

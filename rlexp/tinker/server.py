@@ -1,0 +1,104 @@
+"""`rlexp tinker` / `python -m rlexp.tinker`: the Tinker API server, configured by Hydra like a
+run (conf/tinker.yaml: model, trainer, LoRA, precision, rollout, tracking). Point the `tinker`
+SDK at it with TINKER_BASE_URL=http://<host>:<port> and any TINKER_API_KEY starting with
+`tml-` (the server checks it only when `tinker.api_key` is set)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import rlexp.config  # noqa: F401 - registers the ${rlexp.*} resolvers the configs use
+from rlexp.chat.server import _is_loopback
+from rlexp.tinker.app import create_app
+from rlexp.tinker.base import served_copy
+from rlexp.tinker.futures import Futures
+from rlexp.tinker.models import LORA_PARTS, Models
+from rlexp.tinker.sampler import Sampler
+from rlexp.tinker.service import Service
+from rlexp.tinker.store import Store
+from rlexp.tinker.tracking import ModelRun
+from rlexp.tinker.training import TrainingModel
+from rlexp.trainer.sync_check import resolve_bound
+
+log = logging.getLogger(__name__)
+
+
+def build(cfg: DictConfig) -> Service:
+    """The service: the served copy of the model, its vLLM engine, the model store. Call it in
+    the event loop that will serve it (the engine's)."""
+    from transformers import AutoConfig
+
+    t = cfg.tinker
+    state = Path(t.state_dir)
+    base_dir = served_copy(Path(instantiate(cfg.model)), state / "base")
+    config = AutoConfig.from_pretrained(base_dir)
+    vocab_size, positions = config.vocab_size, config.max_position_embeddings
+    engine = instantiate(cfg.rollout, model_path=str(base_dir))
+    store, futures = Store(state), Futures()
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+
+    def build_model(model_id: str, meta: dict[str, Any], seed: int | None) -> tuple[TrainingModel, ModelRun]:
+        torch.manual_seed(cfg.seed if seed is None else seed)  # the LoRA adapters' initialisation
+        targets = [m for part, on in meta["lora_parts"].items() if on for m in LORA_PARTS[part]]
+        lora = {"rank": meta["lora_rank"], "alpha": cfg.trainer.lora.alpha, "target_modules": targets}
+        trainer = instantiate(cfg.trainer, model_path=str(base_dir), lora=lora)
+        training = TrainingModel(model_id, trainer, t.base_model, meta["lora_rank"], vocab_size,
+                                 positions - 1, cfg.trainer.micro_batch_tokens)
+        params = {"tinker": {"model_id": model_id, "base_model": t.base_model, "model_dir": str(base_dir),
+                             "lora": lora | {"seed": seed}, "user_metadata": meta.get("user_metadata")},
+                  "trainer": trainer_cfg}
+        run = ModelRun(cfg.logger.tracking_uri, t.experiment_name, model_id, params,
+                       {"rlexp.tinker.model_id": model_id}, cfg.logger.artifact_location, t.log_checkpoints)
+        return training, run
+
+    models = Models(t.base_model, store, futures, build_model)
+
+    def on_sync(weights: Path, figures: dict[str, float]) -> None:
+        model = models.models.get(weights.parent.parent.name)
+        if model is not None and model.run is not None and model.training is not None:
+            model.run.metrics(figures, model.training.steps)
+
+    bound = resolve_bound(cfg.trainer.sync_check.bound, [cfg.trainer.dtype, cfg.rollout.dtype])
+    sampler = Sampler(engine, base_dir, float("inf") if bound is None else bound, on_sync)
+    return Service(t.base_model, models, sampler, store, vocab_size, cfg.rollout.max_model_len, t.poll_s)
+
+
+async def serve(cfg: DictConfig) -> None:
+    t = cfg.tinker
+    if not _is_loopback(t.host) and not t.api_key:
+        raise ValueError(f"refusing to serve the Tinker API on {t.host} without tinker.api_key "
+                         "(only loopback addresses may go without one)")
+    service = build(cfg)
+    app = create_app(service, t.api_key, int(t.max_body_mb * 2**20))
+    server = uvicorn.Server(uvicorn.Config(app, host=t.host, port=t.port, log_level="warning",
+                                           lifespan="off", access_log=False))
+    task = server.serve()
+    log.info("tinker: serving %s", t.base_model)
+    try:
+        await _announce(server, task, t.host, t.base_model)
+    finally:
+        service.sampler.engine.shutdown()
+        for model in service.models.models.values():
+            model.lane.close()
+            if model.run is not None:
+                model.run.end()
+
+
+async def _announce(server: uvicorn.Server, serving: Any, host: str, base_model: str) -> None:
+    import asyncio
+
+    task = asyncio.ensure_future(serving)
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        print(f"rlexp tinker: serving {base_model} on http://{host}:{port} "
+              f"(TINKER_BASE_URL=http://{host}:{port})", flush=True)
+    await task

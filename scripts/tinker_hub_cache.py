@@ -1,0 +1,176 @@
+"""An offline Hugging Face cache for tinker-cookbook's recipes (recipes/sl_loop.py, rl_loop.py),
+with synthetic arithmetic data under the real dataset names and a locally built tokenizer:
+
+    python scripts/tinker_hub_cache.py ROOT [--tokenizer DIR] [--model-id rlexp/tiny-chat]
+                                       [--train-rows 256] [--test-rows 32] [--seed 0]
+    HF_HOME=ROOT HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+        .venv-tinker/bin/python -m tinker_cookbook.recipes.sl_loop base_url=... model_name=...
+
+writes, under ROOT (as HF_HOME lays them out):
+- hub/datasets--HuggingFaceH4--no_robots and hub/datasets--openai--gsm8k: hub-layout repos
+  (refs/main, snapshots/<rev>/ with a README.md whose `configs` name the parquet files), as the
+  real ones: no_robots config `default` (prompt, prompt_id, messages, category), gsm8k config
+  `main` (question, answer ending `#### <number>`), splits train and test.
+- datasets/HuggingFaceH4___no_robots and datasets/openai___gsm8k: the same rows prepared as
+  `load_dataset` caches them. Offline, `load_dataset("HuggingFaceH4/no_robots")` and
+  `load_dataset("openai/gsm8k", "main")` read only this cache (datasets never reads hub/ then).
+- with --tokenizer: hub/models--<org>--<name>, a model repo of DIR's files (and, without a
+  config.json there, the hub cache's record that it has none), which
+  `AutoTokenizer.from_pretrained(model id)` (tinker_cookbook's `get_tokenizer`) loads offline.
+
+Every row is made here (no download): "What is 12 + 7?", answered `\\boxed{19}` (no_robots) or
+`12 + 7 = <<12+7=19>>19` then `#### 19` (gsm8k). The same arguments give the same rows.
+Runs with the main venv's Python or .venv-tinker's (datasets and huggingface_hub).
+
+The recipes pick their renderer with `model_info.get_recommended_renderer_name(model_name)`,
+which raises for a model it does not list (rlexp/...): for rlexp.models.tiny's tokenizer (the
+ChatML template of Qwen) --model-id Qwen/Qwen3-4B-Instruct-2507 gets renderer qwen3_instruct,
+which renders exactly that template."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before datasets is imported: it reads the flag once
+
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+NO_ROBOTS, GSM8K = "HuggingFaceH4/no_robots", "openai/gsm8k"
+NO_ROBOTS_CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+  - split: test
+    path: data/test-*
+---
+Synthetic arithmetic conversations in HuggingFaceH4/no_robots's format (scripts/tinker_hub_cache.py).
+"""
+GSM8K_CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+---
+Synthetic arithmetic problems in openai/gsm8k's format (scripts/tinker_hub_cache.py).
+"""
+
+
+def problems(n: int, rng: random.Random) -> list[tuple[str, int]]:
+    """`n` distinct ("a op b", value) pairs, operands 0..99 (products: 0..12)."""
+    out: dict[str, int] = {}
+    if n > 2 * 100 * 100:  # about how many there are
+        raise ValueError(f"{n} problems asked, too many distinct ones for these operands")
+    while len(out) < n:
+        op = rng.choice(list(OPS))
+        hi = 12 if op == "*" else 99
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        out.setdefault(f"{a} {op} {b}", OPS[op](a, b))
+    return list(out.items())
+
+
+def no_robots_row(expr: str, value: int) -> dict:
+    prompt = f"What is {expr}?"
+    return {"prompt": prompt, "prompt_id": hashlib.sha256(prompt.encode()).hexdigest(),
+            "messages": [{"content": prompt, "role": "user"},
+                         {"content": f"\\boxed{{{value}}}", "role": "assistant"}],
+            "category": "Open QA"}
+
+
+def gsm8k_row(expr: str, value: int) -> dict:
+    return {"question": f"What is {expr}?",
+            "answer": f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}\n#### {value}"}
+
+
+def write_dataset(stage: Path, card: str, folder: str, splits: dict[str, list[dict]]) -> None:
+    """The repo's files in `stage`: README.md and FOLDER/<split>-00000-of-00001.parquet."""
+    import datasets
+
+    (stage / folder).mkdir(parents=True)
+    (stage / "README.md").write_text(card)
+    for split, rows in splits.items():
+        datasets.Dataset.from_list(rows).to_parquet(stage / folder / f"{split}-00000-of-00001.parquet")
+
+
+def prepare(stage: Path, repo_id: str, config: str, datasets_cache: Path) -> None:
+    """`load_dataset`'s cache of the repo in `stage` (a folder named as the repo is), as if
+    loaded from the hub: datasets_cache/<org>___<name>/<config>/0.0.0/<hash>/. Prepared from the
+    local folder (a builder given repo_id wants hf:// files), then moved under the repo's name."""
+    import datasets
+
+    local_cache = stage.parent / "prepared"
+    datasets.load_dataset_builder(str(stage), config, cache_dir=str(local_cache)).download_and_prepare()
+    target = datasets_cache / repo_id.replace("/", "___")
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(local_cache / stage.name, target)
+
+
+def add_repo(hub: Path, kind: str, repo_id: str, files: Path) -> str:
+    """`files` (a folder) as the one revision of a hub-layout repo; returns that revision (the
+    sha1 of the files' names and bytes, standing in for a commit)."""
+    paths = sorted(p for p in files.rglob("*") if p.is_file())
+    digest = hashlib.sha1()
+    for p in paths:
+        digest.update(p.relative_to(files).as_posix().encode() + b"\0" + p.read_bytes())
+    rev = digest.hexdigest()
+    repo = hub / f"{kind}s--{repo_id.replace('/', '--')}"
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.copytree(files, repo / "snapshots" / rev)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    if kind == "model" and not (files / "config.json").is_file():
+        # What the hub cache records for a file the repo lacks: AutoTokenizer (transformers 5)
+        # reads a hub model's config.json first, and offline only such a record says "none".
+        (repo / ".no_exist" / rev).mkdir(parents=True)
+        (repo / ".no_exist" / rev / "config.json").touch()
+    return rev
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("root", type=Path, help="the cache root (HF_HOME)")
+    ap.add_argument("--tokenizer", type=Path, help="a saved tokenizer (or model) directory")
+    ap.add_argument("--model-id", default="rlexp/tiny-chat")
+    ap.add_argument("--train-rows", type=int, default=256)
+    ap.add_argument("--test-rows", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    import datasets
+
+    datasets.disable_progress_bars()
+    if args.tokenizer and not (args.tokenizer / "tokenizer_config.json").is_file():
+        sys.exit(f"tinker_hub_cache: {args.tokenizer} has no tokenizer_config.json")
+    rows = problems(args.train_rows + args.test_rows, random.Random(args.seed))
+    split_rows = {"train": rows[args.test_rows:], "test": rows[:args.test_rows]}
+    hub, datasets_cache = args.root / "hub", args.root / "datasets"
+    hub.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for repo_id, config, card, folder, make_row in [
+                (NO_ROBOTS, "default", NO_ROBOTS_CARD, "data", no_robots_row),
+                (GSM8K, "main", GSM8K_CARD, "main", gsm8k_row)]:
+            stage = Path(tmp) / repo_id.split("/")[1]  # its name becomes the cache's dataset name
+            splits = {split: [make_row(*p) for p in ps] for split, ps in split_rows.items()}
+            write_dataset(stage, card, folder, splits)
+            rev = add_repo(hub, "dataset", repo_id, stage)
+            prepare(stage, repo_id, config, datasets_cache)
+            print(f"tinker_hub_cache: {repo_id} ({config}) rev {rev[:12]}: "
+                  f"{args.train_rows} train, {args.test_rows} test rows")
+    if args.tokenizer:
+        rev = add_repo(hub, "model", args.model_id, args.tokenizer)
+        print(f"tinker_hub_cache: {args.model_id} rev {rev[:12]} = {args.tokenizer}")
+    print(f"tinker_hub_cache: use HF_HOME={args.root.resolve()} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1")
+
+
+if __name__ == "__main__":
+    main()
