@@ -49,6 +49,9 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the reply (kept in it), besides EOS
     ignore_eos: bool = False  # EOS does not end the reply
 
+    def __post_init__(self) -> None:  # tuples, whatever the config gave (Hydra passes lists): hashable
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+
     @property
     def depends_on_the_reply(self) -> bool:
         """The distribution of a token depends on the reply so far (a grammar's state, the

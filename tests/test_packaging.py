@@ -143,7 +143,7 @@ def test_the_wheel_carries_every_module_every_config_and_the_rlexp_command(wheel
     assert "rlexp/conf/hydra/launcher/slurm.yaml" in configs and "rlexp/conf/__init__.py" in configs
     assert {n for n in names if n.startswith("rlexp/")} == modules | templates | configs
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "rlexp = rlexp.run:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "rlexp = rlexp.run:cli" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def _config_groups(help_text: str) -> dict[str, list[str]]:

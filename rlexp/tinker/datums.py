@@ -100,7 +100,8 @@ def rows(data: Any, loss: LossSpec, vocab_size: int, max_tokens: int) -> Rows:
         for key in ("target_tokens", *loss.inputs):
             if key not in inputs:
                 raise BadRequest(f"{at}.loss_fn_inputs.{key} is missing", f"{at}.loss_fn_inputs.{key}")
-        got = {k: tensor(inputs[k], len(tokens), f"{at}.loss_fn_inputs.{k}", k in INT_KEYS) for k in inputs}
+        keys = sorted(inputs, key=lambda k: k != "target_tokens")  # the targets' faults first
+        got = {k: tensor(inputs[k], len(tokens), f"{at}.loss_fn_inputs.{k}", k in INT_KEYS) for k in keys}
         check_tokens(got["target_tokens"], vocab_size, f"{at}.loss_fn_inputs.target_tokens")
         _add(out, tokens, got)
     return out

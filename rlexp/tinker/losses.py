@@ -10,6 +10,8 @@ q the sampler's logprobs (`logprobs`), A the `advantages`:
     cispo                -sum_t sg(clip(r, lo, hi)) A log pi      objective.CISPO
     dro                  -sum_t (A log pi - beta/2 (log pi - log q)^2)   unclipped.DRO
     gspo                 PPO's clip on the sequence's geometric-mean ratio   objective.GSPO
+                         (over the `sequence_ratio_mask` tokens, the mask; the sum runs over
+                         every position: `EveryPosition`)
 
 lo, hi are Tinker's thresholds on r itself (`clip_low_threshold`, `clip_high_threshold`); rlexp's
 pieces take distances from 1 (`clip_ratio_low` = 1 - lo, `clip_ratio_high` = hi - 1)."""
@@ -19,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rlexp.algorithms.advantages import GroupNormalized
-from rlexp.algorithms.objective import CISPO, GSPO, KLTerm, Objective, PolicyLoss, PPOClip, TokenSum
+from rlexp.algorithms.objective import CISPO, GSPO, KLTerm, Objective, PolicyLoss, PPOClip, TokenSum, Totals
 from rlexp.algorithms.unclipped import DRO, CrossEntropy, ImportanceSampling
 from rlexp.tinker.errors import BadRequest
 
@@ -79,10 +83,20 @@ def spec(loss_fn: str, config: dict[str, Any] | None) -> tuple[LossSpec, dict[st
     return known, values
 
 
+class EveryPosition:
+    """gspo's sum: over every position, as Tinker's formula has it; its mask (the datum's
+    `sequence_ratio_mask`) only picks the tokens of the sequence ratio. A padded position adds 0
+    (its advantage is 0)."""
+
+    def __call__(self, loss: torch.Tensor, mask: torch.Tensor, totals: Totals) -> torch.Tensor:
+        return loss.sum()
+
+
 def objective(loss_fn: str, values: dict[str, float]) -> Objective:
     """The Objective that computes `loss_fn` (its advantages are the caller's: the estimator is
     never called)."""
-    return Objective(GroupNormalized(), _policy_loss(loss_fn, values), TokenSum(), KLTerm(), None)
+    aggregation = EveryPosition() if loss_fn == "gspo" else TokenSum()
+    return Objective(GroupNormalized(), _policy_loss(loss_fn, values), aggregation, KLTerm(), None)
 
 
 def _policy_loss(loss_fn: str, v: dict[str, float]) -> PolicyLoss:

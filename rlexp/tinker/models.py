@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlexp.tinker import wire
+from rlexp.tinker import datums, losses, wire
 from rlexp.tinker.errors import BadRequest, not_found
 from rlexp.tinker.futures import Futures, Lane
 from rlexp.tinker.proto import ForwardBackwardRequest, forward_output
@@ -43,8 +43,10 @@ class Model:
 
 class Models:
     def __init__(self, base_model: str, store: Store, futures: Futures,
-                 build: Callable[[str, dict[str, Any], int | None], tuple[TrainingModel, ModelRun]]):
+                 build: Callable[[str, dict[str, Any], int | None], tuple[TrainingModel, ModelRun]],
+                 vocab_size: int, max_tokens: int):
         self.base_model, self.store, self.futures, self.build = base_model, store, futures, build
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens  # of a datum's model_input
         self.models: dict[str, Model] = {}
         self._creations: dict[str, tuple[str, str]] = {}  # model id -> (body digest, request id)
 
@@ -118,11 +120,13 @@ class Models:
         v2 = request.loss_fn_config_v2
         config: dict[str, Any] = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
                                   for k, v in v2.items()} or dict(request.loss_fn_config)
+        spec, values = losses.spec(request.loss_fn, config)
+        rows = datums.rows(request.data, spec, self.vocab_size, self.max_tokens)  # a 400 before any queue
         backward = not request.forward_only
 
         def call() -> bytes:
             training = self.ready(request.model_id)
-            out = training.forward(request.data, request.loss_fn, config, backward)
+            out = training.forward(rows, request.loss_fn, values, backward)
             self._log(model, f"tinker/{'forward_backward' if backward else 'forward'}",
                       {"tokens": out.tokens, "seconds": out.seconds}, out.metrics)
             return forward_output(out.logprobs, out.metrics)

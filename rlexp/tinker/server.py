@@ -58,7 +58,7 @@ def build(cfg: DictConfig) -> Service:
                        {"rlexp.tinker.model_id": model_id}, cfg.logger.artifact_location, t.log_checkpoints)
         return training, run
 
-    models = Models(t.base_model, store, futures, build_model)
+    models = Models(t.base_model, store, futures, build_model, vocab_size, positions - 1)
 
     def on_sync(weights: Path, figures: dict[str, float]) -> None:
         model = models.models.get(weights.parent.parent.name)

@@ -14,12 +14,11 @@ import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from rlexp.algorithms.objective import Metrics, TokenInputs, Totals
+from rlexp.algorithms.objective import Metrics, Objective, TokenInputs, Totals
 from rlexp.tinker import datums, losses
 from rlexp.trainer import update
 from rlexp.trainer.batch import Layout, MicroBatch, TrainBatch
@@ -29,17 +28,19 @@ from rlexp.weights.files import WEIGHTS_FILE
 
 
 class Outputs:
-    """Watches a call's micro-batches: each position's logprob of its target, and the loss."""
+    """Watches a call's micro-batches: each position's logprob of its target, and the loss (the
+    objective's own sum of it: the loss the backward differentiates)."""
 
-    def __init__(self, batch: TrainBatch):
+    def __init__(self, batch: TrainBatch, objective: Objective):
         self.logprobs = torch.zeros(batch.loss_mask.shape)
         self.loss = 0.0
+        self.objective = objective
 
     def micro_batch(self, micro: MicroBatch, out: PolicyOutput, x: TokenInputs, terms: Metrics,
                     totals: Totals, aux_logged: torch.Tensor | None) -> None:
         if micro.real:
             self.logprobs[micro.rows, micro.columns] = x.logp.detach().float().cpu()
-            self.loss += float((terms["loss"].detach() * x.mask).sum())
+            self.loss += float(self.objective.aggregate(terms["loss"].detach(), x.mask, totals))
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,17 @@ class TrainingModel:
         self.steps = 0  # optimizer steps taken
         self.pending_tokens = 0  # tokens whose gradients wait for the next optim_step
 
-    def forward(self, data: Any, loss_fn: str, config: dict | None, backward: bool) -> Forward:
-        """forward (backward False) or forward_backward of the datums (protobuf `Datum`s)."""
+    def forward(self, rows: datums.Rows, loss_fn: str, values: dict[str, float], backward: bool) -> Forward:
+        """forward (backward False) or forward_backward of checked datums (datums.rows) under
+        `loss_fn` with its config `values` (losses.spec)."""
         t0 = time.perf_counter()
-        spec, values = losses.spec(loss_fn, config)
-        rows = datums.rows(data, spec, self.vocab_size, self.max_tokens)
         batch = TrainBatch.of_tokens(rows.inputs, rows.targets, rows.mask, rows.logprobs, self.layout,
                                      version=self.steps)
         learner = replace(self.trainer.learner, objective=losses.objective(loss_fn, values))
         device = learner.policy.device
         signals = update.Signals(batch.rollout_logprobs.to(device), None,
                                  _padded(rows.advantages, batch.loss_mask.shape).to(device), None, None)
-        outputs = Outputs(batch)
+        outputs = Outputs(batch, learner.objective)
         for minibatch in batch.minibatches:
             update.forward_backward(learner, batch, minibatch, signals, outputs, backward)
         if backward:
