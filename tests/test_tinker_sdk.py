@@ -19,13 +19,13 @@ from rlexp.trainer import update
 from rlexp.trainer.batch import TrainBatch, trained
 from rlexp.trainer.models import adapter_weights
 from tests.dist_fit import make_batch
-from tests.tinker_helpers import BASE_MODEL, Server, require_sdk, sdk
+from tests.tinker_helpers import BASE_MODEL, TINY, Server, require_sdk, sdk
 
 LR, SEED, STEPS = 5e-4, 7, 2
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_path):
     require_sdk()
     s = Server(tmp_path_factory.mktemp("tinker"), "trainer.sync_check.bound=off").start()
     yield s
@@ -38,7 +38,7 @@ def fit_and_datums(base_dir: str):
     (Tinker's losses sum over every position) and divided by the batch's trained tokens
     (token_mean), the rollout logprobs as the sampler's."""
     with initialize_config_module(config_module="rlexp.conf", version_base="1.3"):
-        cfg = compose("tinker", overrides=["trainer.sync_check.bound=off"])
+        cfg = compose("tinker", overrides=["trainer.sync_check.bound=off", *TINY])
     torch.manual_seed(SEED)  # as the server initialises a model's adapters
     lora = {"rank": 4, "alpha": cfg.trainer.lora.alpha, "target_modules": sum(LORA_PARTS.values(), [])}
     trainer = instantiate(cfg.trainer, model_path=base_dir, lora=lora)
@@ -158,7 +158,9 @@ cases = {
     "vocab": ([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 100000]),
                            loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [1.0, 1.0, 1.0]})],
               "cross_entropy"),
-    "missing": ([good], "ppo"),
+    "missing": ([types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                             loss_fn_inputs={"target_tokens": [6, 7, 8], "advantages": [0.0, 1.0, 1.0]})],
+                "ppo"),
     "unknown": ([good], "not_a_loss"),
 }
 seen = {}

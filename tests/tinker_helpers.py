@@ -13,10 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY_KW
+
 ROOT = Path(__file__).resolve().parents[1]
 TINKER_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
 BASE_MODEL = "rlexp/tiny-chat"
-START_TIMEOUT_S = 600  # the tiny model's first build and the engine's start, on a loaded machine
+START_TIMEOUT_S = 900  # the engine's start on a loaded machine
+# The suite's tiny model (tests/conftest.py's TINY_KW: a short warm-start), the one the
+# `tiny_model_path` fixture builds into the session's RLEXP_CACHE: the server finds it there.
+TINY = [f"model.{k}={v!r}" if isinstance(v, str) else f"model.{k}={v}" for k, v in TINY_KW.items()]
 
 
 def require_sdk() -> None:
@@ -44,7 +49,7 @@ class Server:
         log = open(self.root / "server.log", "a")
         cmd = [sys.executable, "-m", "rlexp.tinker", "tinker.port=0", f"tinker.state_dir={self.state}",
                f"logger.tracking_uri={self.tracking_uri}", f"logger.artifact_location={self.root / 'art'}",
-               f"hydra.run.dir={self.root / 'hydra'}", *self.overrides]
+               f"hydra.run.dir={self.root / 'hydra'}", *TINY, *self.overrides]
         self.proc = subprocess.Popen(cmd, cwd=self.root, stdout=subprocess.PIPE, stderr=log, text=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         assert self.proc.stdout is not None

@@ -10,13 +10,17 @@ import asyncio
 import hashlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from rlexp.tinker.errors import BadRequest, not_found
 
 KEEP_RESULTS = 10_000  # finished results kept for retrieve_future (oldest dropped first)
+# A call numbered this far past the next to run cannot be one the SDK sent (it numbers its calls
+# one by one; only the chunks of one large call arrive out of order): refused, not queued.
+MAX_AHEAD = 4096
 
 
 class Futures:
@@ -47,8 +51,21 @@ class Lane:
     def __init__(self, futures: Futures, name: str, next_seq: int = 1):
         self.futures, self.next_seq = futures, next_seq
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"rlexp-tinker-{name}")
-        self._waiting: dict[int, tuple[Callable[[], Any], asyncio.Future]] = {}
+        self._waiting: dict[int, tuple[Callable[[], Any], asyncio.Future] | None] = {}
         self._seen: dict[int, tuple[str, str]] = {}  # seq_id -> (body digest, request id)
+
+    @contextmanager
+    def numbered(self, seq_id: int | None) -> Iterator[None]:
+        """Checks of a numbered request run inside: one refused there still takes its number
+        (the SDK gave it one; the calls after it must not wait for it)."""
+        try:
+            yield
+        except BadRequest:
+            if seq_id is not None and self.next_seq <= seq_id < self.next_seq + MAX_AHEAD \
+                    and seq_id not in self._waiting:
+                self._waiting[seq_id] = None
+                self._advance()
+            raise
 
     def submit(self, seq_id: int | None, body: bytes, call: Callable[[], Any]) -> str:
         """A request id for `call`, run once every call numbered before it has run."""
@@ -59,19 +76,24 @@ class Lane:
                 raise BadRequest(f"seq_id {seq_id} was already used by another request to this model: "
                                  "two clients are driving one model (open a model per client)", "seq_id")
             return request_id
-        if seq_id is not None and seq_id < self.next_seq:
-            raise BadRequest(f"seq_id {seq_id} is behind this model's calls (next: {self.next_seq})",
-                             "seq_id")
+        if seq_id is not None and not self.next_seq <= seq_id < self.next_seq + MAX_AHEAD:
+            raise BadRequest(f"seq_id {seq_id} is not among this model's next calls ({self.next_seq} .. "
+                             f"{self.next_seq + MAX_AHEAD - 1})", "seq_id")
         request_id, future = self.futures.new()
         if seq_id is None:
             self._run(call, future)
             return request_id
         self._seen[seq_id] = (digest, request_id)
         self._waiting[seq_id] = (call, future)
-        while self.next_seq in self._waiting:
-            self._run(*self._waiting.pop(self.next_seq))
-            self.next_seq += 1
+        self._advance()
         return request_id
+
+    def _advance(self) -> None:
+        while self.next_seq in self._waiting:
+            waiting = self._waiting.pop(self.next_seq)
+            if waiting is not None:  # None: a refused request's number
+                self._run(*waiting)
+            self.next_seq += 1
 
     def _run(self, call: Callable[[], Any], future: asyncio.Future) -> None:
         loop = asyncio.get_running_loop()

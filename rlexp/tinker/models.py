@@ -30,6 +30,7 @@ LORA_PARTS = {"train_attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
               "train_mlp": ["gate_proj", "up_proj", "down_proj"], "train_unembed": ["lm_head"]}
 KEEP_EPHEMERAL = 3  # unnamed sampler weights kept per model (older ones are deleted)
 PROBE_TOKENS = 64
+MAX_LORA_RANK = 1024
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Models:
                              f"{self.base_model!r})", "base_model")
         lora = wire.get(body, "lora_config", dict, {})
         rank = wire.nonneg(lora, "rank", int, 0, "lora_config.") if lora else 0
+        if rank > MAX_LORA_RANK:
+            raise BadRequest(f"lora_config.rank {rank} is over {MAX_LORA_RANK}", "lora_config.rank")
         parts = {k: wire.get(lora, k, bool, True, "lora_config.") for k in LORA_PARTS}
         if rank and not any(parts.values()):
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed",
@@ -117,11 +120,13 @@ class Models:
         except Exception:  # protobuf's DecodeError, or a message nested too deep
             raise BadRequest("the forward_backward body is not a ForwardBackwardRequest protobuf") from None
         model = self.get(request.model_id)
-        v2 = request.loss_fn_config_v2
-        config: dict[str, Any] = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
-                                  for k, v in v2.items()} or dict(request.loss_fn_config)
-        spec, values = losses.spec(request.loss_fn, config)
-        rows = datums.rows(request.data, spec, self.vocab_size, self.max_tokens)  # a 400 before any queue
+        seq = request.seq_id if request.seq_id > 0 else None
+        with model.lane.numbered(seq):  # a 400 before the call is queued
+            v2 = request.loss_fn_config_v2
+            config: dict[str, Any] = {k: (v.text if v.WhichOneof("value") == "text" else v.number)
+                                      for k, v in v2.items()} or dict(request.loss_fn_config)
+            spec, values = losses.spec(request.loss_fn, config)
+            rows = datums.rows(request.data, spec, self.vocab_size, self.max_tokens)
         backward = not request.forward_only
 
         def call() -> bytes:
@@ -131,23 +136,13 @@ class Models:
                       {"tokens": out.tokens, "seconds": out.seconds}, out.metrics)
             return forward_output(out.logprobs, out.metrics)
 
-        seq = request.seq_id if request.seq_id > 0 else None
         return model.lane.submit(seq, raw, call), request.model_id
 
     def optim_step(self, body: dict[str, Any], raw: bytes) -> str:
         model_id = wire.get(body, "model_id", str)
-        model = self.get(model_id)
-        params = body.get("adam_params") if "adam_params" in body else body.get("optim_params")
-        if "optimizer_params" in body:
-            raise BadRequest("optimizer_params (a non-Adam optimizer) is not served: send adam_params",
-                             "optimizer_params")
-        if not isinstance(params, dict):
-            raise BadRequest("adam_params is missing", "adam_params")
-        adam = AdamStep(**{k: wire.get(params, k, float, v, "adam_params.")
-                           for k, v in vars(AdamStep()).items()})
-        if adam.learning_rate < 0 or adam.eps < 0 or adam.weight_decay < 0 or not (
-                0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1):
-            raise BadRequest(f"adam_params out of range: {vars(adam)}", "adam_params")
+        model, seq = self.get(model_id), wire.get(body, "seq_id", int, None)
+        with model.lane.numbered(seq):
+            adam = adam_step(body)
 
         def call() -> dict[str, Any]:
             training = self.ready(model_id)
@@ -155,7 +150,7 @@ class Models:
             self._log(model, "tinker/optim_step", {"learning_rate": adam.learning_rate}, metrics)
             return {"metrics": metrics, "type": "optim_step"}
 
-        return model.lane.submit(wire.get(body, "seq_id", int, None), raw, call)
+        return model.lane.submit(seq, raw, call)
 
     def _log(self, model: Model, prefix: str, values: dict[str, float], metrics: dict[str, float]) -> None:
         if model.run is None or model.training is None:
@@ -167,13 +162,15 @@ class Models:
 
     def save_state(self, body: dict[str, Any], raw: bytes) -> str:
         model_id = wire.get(body, "model_id", str)
-        model = self.get(model_id)
-        model.saves += 1
-        name = wire.check_name(wire.get(body, "path", str, f"state-{model.saves}"), "path")
-        overwrite, ttl = wire.get(body, "overwrite", bool, False), wire.nonneg(body, "ttl_seconds", int, None)
-        directory = self.store.checkpoint_dir(model_id, "weights", name)
-        if directory.exists() and not overwrite:
-            raise BadRequest(f"checkpoint {name!r} of {model_id} exists (send overwrite=true)", "path")
+        model, seq = self.get(model_id), wire.get(body, "seq_id", int, None)
+        with model.lane.numbered(seq):
+            model.saves += 1
+            name = wire.check_name(wire.get(body, "path", str, f"state-{model.saves}"), "path")
+            overwrite = wire.get(body, "overwrite", bool, False)
+            ttl = wire.nonneg(body, "ttl_seconds", int, None)
+            directory = self.store.checkpoint_dir(model_id, "weights", name)
+            if directory.exists() and not overwrite:
+                raise BadRequest(f"checkpoint {name!r} of {model_id} exists (send overwrite=true)", "path")
 
         def call() -> dict[str, Any]:
             training = self.ready(model_id)
@@ -184,23 +181,23 @@ class Models:
                 model.run.checkpoint(directory, name)
             return {"path": path, "type": "save_weights"}
 
-        return model.lane.submit(wire.get(body, "seq_id", int, None), raw, call)
+        return model.lane.submit(seq, raw, call)
 
     def save_for_sampler(self, body: dict[str, Any], raw: bytes,
                          on_saved: Callable[[str, int, Path], str]) -> str:
         """Named (`path`): a tinker:// path of sampler weights; else a sampling session of
         them (`on_saved(model_id, sampling_session_seq_id, directory)` registers it: its id)."""
         model_id = wire.get(body, "model_id", str)
-        model = self.get(model_id)
-        name = body.get("path")
-        sampling_seq = None
-        if name is None:
-            sampling_seq = wire.nonneg(body, "sampling_session_seq_id", int, MISSING)
-            model.ephemeral += 1
-            name = f"ephemeral-{model.ephemeral}"
-        wire.check_name(wire.get(body, "path", str, name), "path")
-        directory = self.store.checkpoint_dir(model_id, "sampler_weights", name)
-        ttl = wire.nonneg(body, "ttl_seconds", int, None)
+        model, seq = self.get(model_id), wire.get(body, "seq_id", int, None)
+        with model.lane.numbered(seq):
+            name, sampling_seq = body.get("path"), None
+            if name is None:
+                sampling_seq = wire.nonneg(body, "sampling_session_seq_id", int, MISSING)
+                model.ephemeral += 1
+                name = f"ephemeral-{model.ephemeral}"
+            wire.check_name(wire.get(body, "path", str, name), "path")
+            directory = self.store.checkpoint_dir(model_id, "sampler_weights", name)
+            ttl = wire.nonneg(body, "ttl_seconds", int, None)
 
         def call() -> dict[str, Any]:
             training = self.ready(model_id)
@@ -213,7 +210,7 @@ class Models:
             return {"path": self.store.saved(model_id, "sampler_weights", name, ttl),
                     "type": "save_weights_for_sampler"}
 
-        return model.lane.submit(wire.get(body, "seq_id", int, None), raw, call)
+        return model.lane.submit(seq, raw, call)
 
     def _drop_old_ephemeral(self, model_id: str, latest: int) -> None:
         old = self.store.checkpoint_dir(model_id, "sampler_weights", f"ephemeral-{latest - KEEP_EPHEMERAL}")
@@ -221,6 +218,21 @@ class Models:
             import shutil
 
             shutil.rmtree(old, ignore_errors=True)
+
+
+def adam_step(body: dict[str, Any]) -> AdamStep:
+    """optim_step's `adam_params` (all six fields as the SDK sends them), checked."""
+    if "optimizer_params" in body:
+        raise BadRequest("optimizer_params (a non-Adam optimizer) is not served: send adam_params",
+                         "optimizer_params")
+    params = body.get("adam_params")
+    if not isinstance(params, dict):
+        raise BadRequest("adam_params is missing", "adam_params")
+    adam = AdamStep(**{k: wire.get(params, k, float, v, "adam_params.") for k, v in vars(AdamStep()).items()})
+    if adam.learning_rate < 0 or adam.eps < 0 or adam.weight_decay < 0 or not (
+            0 <= adam.beta1 < 1 and 0 <= adam.beta2 < 1):
+        raise BadRequest(f"adam_params out of range: {vars(adam)}", "adam_params")
+    return adam
 
 
 def probe(training: TrainingModel) -> dict[str, list]:

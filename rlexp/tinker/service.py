@@ -73,6 +73,13 @@ class Service:
 
     def load_weights(self, body: dict[str, Any], raw: bytes) -> dict[str, Any]:
         """Create-via-load (session_id, model_seq_id) or, deprecated, into a model (model_id)."""
+        if body.get("session_id") is None:  # into a model: a refused request still takes its number
+            model_id, seq = wire.get(body, "model_id", str), wire.get(body, "seq_id", int, None)
+            with self.models.get(model_id).lane.numbered(seq):
+                return self._load_checked(body, raw, seq)
+        return self._load_checked(body, raw, None)
+
+    def _load_checked(self, body: dict[str, Any], raw: bytes, seq: int | None) -> dict[str, Any]:
         source, kind, name = wire.tinker_path(wire.get(body, "path", str))
         if kind != "weights":
             raise BadRequest("load_weights needs a training state (tinker://<model>/weights/<name>)", "path")
@@ -96,8 +103,7 @@ class Service:
             self.models.ready(model_id).load(directory, optimizer)
             return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
 
-        return {"request_id": model.lane.submit(wire.get(body, "seq_id", int, None), raw, call),
-                "model_id": model_id}
+        return {"request_id": model.lane.submit(seq, raw, call), "model_id": model_id}
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = wire.get(body, "model_id", str)
@@ -181,8 +187,9 @@ class Service:
         if not 0 < top_p <= 1 or top_k == 0 or top_k < -1:
             raise BadRequest(f"{at}top_p must be in (0, 1] and top_k -1 or >= 1", f"{at}top_p")
         stop = p.get("stop")
-        words = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if not all(isinstance(w, str) for w in words) and not all(type(w) is int for w in words):
+        words = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+        if stop is not None and not isinstance(stop, (str, list)) or not (
+                all(isinstance(w, str) for w in words) or all(type(w) is int for w in words)):
             raise BadRequest(f"{at}stop must be a string, a list of strings or a list of token ids",
                              f"{at}stop")
         texts = tuple(w for w in words if isinstance(w, str))
