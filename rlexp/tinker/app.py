@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,11 +30,31 @@ def error(status: int, message: str, field: str | None = None) -> JSONResponse:
     return JSONResponse(status_code=status, content={"detail": message, "field": field})
 
 
+Body = Callable[[Request], Awaitable[tuple[dict[str, Any], bytes]]]
+V1 = "/api/v1"
+
+
 def create_app(service: Service, api_key: str | None, max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="rlexp Tinker API")
+    guard(app, api_key, max_body_bytes)
 
+    async def body(request: Request) -> tuple[dict[str, Any], bytes]:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:  # a chunked body declares no length
+            raise BadRequest(f"the request body is over the limit of {max_body_bytes} bytes", None, 413)
+        return parse_json(raw), raw
+
+    add_client_routes(app, service, body)
+    add_training_routes(app, service, body)
+    add_sampling_routes(app, service, body)
+    add_rest_routes(app, service)
+    return app
+
+
+def guard(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+    """The API key, the body's size and encoding; every refusal as a 4xx naming its field."""
     @app.middleware("http")
-    async def guard(request: Request, call_next):
+    async def check(request: Request, call_next):
         if api_key and not secrets.compare_digest(request.headers.get("x-api-key", ""), api_key):
             return error(401, "missing or wrong API key (X-API-Key)")
         declared = request.headers.get("content-length", "0")
@@ -52,71 +73,69 @@ def create_app(service: Service, api_key: str | None, max_body_bytes: int) -> Fa
     async def http_error(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
         return error(exc.status_code, str(exc.detail))
 
-    async def body(request: Request) -> tuple[dict[str, Any], bytes]:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:  # a chunked body declares no length
-            raise BadRequest(f"the request body is over the limit of {max_body_bytes} bytes", None, 413)
-        return parse_json(raw), raw
 
-    v1 = "/api/v1"
-
-    @app.post(f"{v1}/client/config")
+def add_client_routes(app: FastAPI, service: Service, body: Body) -> None:
+    """What a ServiceClient asks first: its config, the server's models, its session."""
+    @app.post(f"{V1}/client/config")
     async def client_config():
         return {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False,
                 "sample_use_retrieve_futures": False}
 
-    @app.post(f"{v1}/client/dynamic_config")
+    @app.post(f"{V1}/client/dynamic_config")
     async def dynamic_config():
         return {}
 
-    @app.get(f"{v1}/healthz")
+    @app.get(f"{V1}/healthz")
     async def healthz():
         return {"status": "ok"}
 
-    @app.get(f"{v1}/get_server_capabilities")
+    @app.get(f"{V1}/get_server_capabilities")
     async def capabilities():
         return {"supported_models": [{"model_name": service.base_model,
                                       "max_context_length": service.max_model_len,
                                       "trainable": True, "sampleable": True}]}
 
-    @app.post(f"{v1}/telemetry")
+    @app.post(f"{V1}/telemetry")
     async def telemetry():
         return {"status": "accepted"}
 
-    @app.post(f"{v1}/create_session")
+    @app.post(f"{V1}/create_session")
     async def create_session(request: Request):
         return service.create_session((await body(request))[0])
 
-    @app.post(f"{v1}/session_heartbeat")
+    @app.post(f"{V1}/session_heartbeat")
     async def heartbeat(request: Request):
         service.session((await body(request))[0].get("session_id"))
         return {"type": "session_heartbeat"}
 
-    @app.post(v1 + "/sessions/{session_id}/finish")
+    @app.post(V1 + "/sessions/{session_id}/finish")
     async def finish(session_id: str):
         service.session(session_id, "session_id")
         return Response(status_code=204)
 
-    @app.get(v1 + "/sessions/{session_id}")
+    @app.get(V1 + "/sessions/{session_id}")
     async def get_session(session_id: str):
         service.session(session_id, "session_id")
         prefix = f"{session_id}:"
         return {"training_run_ids": [m for m in service.models.models if m.startswith(prefix)],
                 "sampler_ids": [s for s in service.samplers if s.startswith(prefix)]}
 
-    @app.post(f"{v1}/create_model")
+
+def add_training_routes(app: FastAPI, service: Service, body: Body) -> None:
+    """A TrainingClient's calls: its model, forward(_backward), optim_step, checkpoints."""
+    @app.post(f"{V1}/create_model")
     async def create_model(request: Request):
         return service.create_model(*await body(request))
 
-    @app.post(f"{v1}/load_weights")
+    @app.post(f"{V1}/load_weights")
     async def load_weights(request: Request):
         return service.load_weights(*await body(request))
 
-    @app.post(f"{v1}/get_info")
+    @app.post(f"{V1}/get_info")
     async def get_info(request: Request):
         return service.get_info((await body(request))[0])
 
-    @app.post(f"{v1}/forward_backward")
+    @app.post(f"{V1}/forward_backward")
     async def forward_backward(request: Request):
         raw = await request.body()
         if PROTOBUF not in request.headers.get("content-type", ""):
@@ -125,51 +144,52 @@ def create_app(service: Service, api_key: str | None, max_body_bytes: int) -> Fa
         request_id, model_id = service.models.forward_backward(raw)
         return {"request_id": request_id, "model_id": model_id}
 
-    @app.post(f"{v1}/optim_step")
+    @app.post(f"{V1}/optim_step")
     async def optim_step(request: Request):
         body_, raw = await body(request)
         return {"request_id": service.models.optim_step(body_, raw), "model_id": body_["model_id"]}
 
-    @app.post(f"{v1}/save_weights")
+    @app.post(f"{V1}/save_weights")
     async def save_weights(request: Request):
         body_, raw = await body(request)
         return {"request_id": service.models.save_state(body_, raw), "model_id": body_["model_id"]}
 
-    @app.post(f"{v1}/save_weights_for_sampler")
+    @app.post(f"{V1}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
         body_, raw = await body(request)
         return {"request_id": service.models.save_for_sampler(body_, raw, service.register_sampler),
                 "model_id": body_["model_id"]}
 
-    @app.post(f"{v1}/create_sampling_session")
+
+def add_sampling_routes(app: FastAPI, service: Service, body: Body) -> None:
+    """A SamplingClient's calls, and every call's result (futures)."""
+    @app.post(f"{V1}/create_sampling_session")
     async def create_sampling_session(request: Request):
         return service.create_sampling_session((await body(request))[0])
 
-    @app.get(v1 + "/samplers/{sampler_id}")
+    @app.get(V1 + "/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         return service.get_sampler(sampler_id)
 
-    @app.post(f"{v1}/asample")
+    @app.post(f"{V1}/asample")
     async def asample(request: Request):
         return service.sample((await body(request))[0])
 
-    @app.post(f"{v1}/retrieve_future")
+    @app.post(f"{V1}/retrieve_future")
     async def retrieve_future(request: Request):
-        kind, result = await service.retrieve((await body(request))[0])
+        asked = (await body(request))[0]
+        kind, result = await service.retrieve(asked)
         if kind == "pending":
             return JSONResponse(status_code=408, content={"type": "try_again", "queue_state": "active",
-                                                          "request_id": (await request.json())["request_id"]})
+                                                          "request_id": asked["request_id"]})
         if kind == "bytes":
             return Response(result, media_type=PROTOBUF)
         return result
 
-    add_rest_routes(app, service)
-    return app
-
 
 def add_rest_routes(app: FastAPI, service: Service) -> None:
     """The RestClient's routes the cookbook uses: training runs, their checkpoints."""
-    v1, store = "/api/v1", service.store
+    v1, store = V1, service.store
 
     @app.get(f"{v1}/training_runs")
     async def training_runs(limit: int = 20, offset: int = 0):
