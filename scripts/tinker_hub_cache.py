@@ -3,6 +3,8 @@ with synthetic arithmetic data under the real dataset names and a locally built 
 
     python scripts/tinker_hub_cache.py ROOT [--tokenizer DIR] [--model-id rlexp/tiny-chat]
                                        [--train-rows 256] [--test-rows 32] [--seed 0]
+                                       [--format plain|rl_loop] [--ops +-*] [--max-operand 99]
+                                       [--with-replacement]
     HF_HOME=ROOT HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
         .venv-tinker/bin/python -m tinker_cookbook.recipes.sl_loop base_url=... model_name=...
 
@@ -19,7 +21,14 @@ writes, under ROOT (as HF_HOME lays them out):
   `AutoTokenizer.from_pretrained(model id)` (tinker_cookbook's `get_tokenizer`) loads offline.
 
 Every row is made here (no download): "What is 12 + 7?", answered `\\boxed{19}` (no_robots) or
-`12 + 7 = <<12+7=19>>19` then `#### 19` (gsm8k). The same arguments give the same rows.
+`12 + 7 = <<12+7=19>>19` then `#### 19` (gsm8k). The same arguments give the same rows, and both
+datasets the same problems. --format rl_loop: each no_robots conversation is the prompt that
+recipes/rl_loop.py builds (its strawberry exchange, then the question with its suffix " Provide a
+numerical answer without units, written inside \\boxed{}.") answered `\\boxed{19}`: sl_loop on it
+teaches exactly rl_loop's format (scripts/tinker_cookbook_demo.sh: SFT, then RL). --ops and
+--max-operand pick the problems (operands 0..max, products 0..12 at most); --with-replacement draws
+rows independently (repeats, and test rows among the train rows), for more rows than distinct
+problems.
 Runs with the main venv's Python or .venv-tinker's (datasets and huggingface_hub).
 
 The recipes pick their renderer with `model_info.get_recommended_renderer_name(model_name)`,
@@ -66,23 +75,41 @@ Synthetic arithmetic problems in openai/gsm8k's format (scripts/tinker_hub_cache
 """
 
 
-def problems(n: int, rng: random.Random) -> list[tuple[str, int]]:
-    """`n` distinct ("a op b", value) pairs, operands 0..99 (products: 0..12)."""
+# recipes/rl_loop.py's prompt: its few-shot exchange before the question, and the question's suffix
+RL_LOOP_SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
+RL_LOOP_PREFIX = [
+    {"content": "How many r's are in strawberry?" + RL_LOOP_SUFFIX, "role": "user"},
+    {"content": "Let's spell the word out and number all the letters: 1) s 2) t 3) r 4) a 5) w 6) b 7) e "
+                "8) r 9) r 10) y. We have r's at positions 3, 8, and 9. \\boxed{3}", "role": "assistant"},
+]
+
+
+def problems(n: int, rng: random.Random, ops: str = "+-*", max_operand: int = 99,
+             with_replacement: bool = False) -> list[tuple[str, int]]:
+    """`n` ("a op b", value) pairs, distinct unless `with_replacement`, operands 0..max_operand
+    (products: 0..12 at most)."""
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"ops {ops!r}: choose from {''.join(OPS)}")
+    his = {op: min(12, max_operand) if op == "*" else max_operand for op in ops}
+    if not with_replacement and n > sum((hi + 1) ** 2 for hi in his.values()):
+        raise ValueError(f"{n} problems asked, too many distinct ones for these operands "
+                         "(--with-replacement allows repeats)")
     out: dict[str, int] = {}
-    if n > 2 * 100 * 100:  # about how many there are
-        raise ValueError(f"{n} problems asked, too many distinct ones for these operands")
-    while len(out) < n:
-        op = rng.choice(list(OPS))
-        hi = 12 if op == "*" else 99
-        a, b = rng.randint(0, hi), rng.randint(0, hi)
-        out.setdefault(f"{a} {op} {b}", OPS[op](a, b))
-    return list(out.items())
+    rows: list[tuple[str, int]] = []
+    while len(rows) < n:
+        op = rng.choice(ops)
+        a, b = rng.randint(0, his[op]), rng.randint(0, his[op])
+        expr = f"{a} {op} {b}"
+        if with_replacement or expr not in out:
+            out[expr] = OPS[op](a, b)
+            rows.append((expr, out[expr]))
+    return rows
 
 
-def no_robots_row(expr: str, value: int) -> dict:
-    prompt = f"What is {expr}?"
+def no_robots_row(expr: str, value: int, fmt: str = "plain") -> dict:
+    prompt = f"What is {expr}?" + (RL_LOOP_SUFFIX if fmt == "rl_loop" else "")
     return {"prompt": prompt, "prompt_id": hashlib.sha256(prompt.encode()).hexdigest(),
-            "messages": [{"content": prompt, "role": "user"},
+            "messages": [*(RL_LOOP_PREFIX if fmt == "rl_loop" else []), {"content": prompt, "role": "user"},
                          {"content": f"\\boxed{{{value}}}", "role": "assistant"}],
             "category": "Open QA"}
 
@@ -145,19 +172,26 @@ def main() -> None:
     ap.add_argument("--train-rows", type=int, default=256)
     ap.add_argument("--test-rows", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--format", choices=["plain", "rl_loop"], default="plain",
+                    help="no_robots conversations: the question alone, or rl_loop.py's prompt")
+    ap.add_argument("--ops", default="+-*", help="operators of the problems")
+    ap.add_argument("--max-operand", type=int, default=99)
+    ap.add_argument("--with-replacement", action="store_true", help="rows may repeat problems")
     args = ap.parse_args()
     import datasets
 
     datasets.disable_progress_bars()
     if args.tokenizer and not (args.tokenizer / "tokenizer_config.json").is_file():
         sys.exit(f"tinker_hub_cache: {args.tokenizer} has no tokenizer_config.json")
-    rows = problems(args.train_rows + args.test_rows, random.Random(args.seed))
+    rows = problems(args.train_rows + args.test_rows, random.Random(args.seed), args.ops, args.max_operand,
+                    args.with_replacement)
     split_rows = {"train": rows[args.test_rows:], "test": rows[:args.test_rows]}
     hub, datasets_cache = args.root / "hub", args.root / "datasets"
     hub.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for repo_id, config, card, folder, make_row in [
-                (NO_ROBOTS, "default", NO_ROBOTS_CARD, "data", no_robots_row),
+                (NO_ROBOTS, "default", NO_ROBOTS_CARD, "data",
+                 lambda expr, value: no_robots_row(expr, value, args.format)),
                 (GSM8K, "main", GSM8K_CARD, "main", gsm8k_row)]:
             stage = Path(tmp) / repo_id.split("/")[1]  # its name becomes the cache's dataset name
             splits = {split: [make_row(*p) for p in ps] for split, ps in split_rows.items()}
