@@ -17,7 +17,7 @@ from rlexp.algorithms.unclipped import DRO, CrossEntropy, ImportanceSampling
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.tinker import datums, losses, proto
 from rlexp.tinker.errors import BadRequest
-from rlexp.tinker.futures import Futures, Lane
+from rlexp.tinker.futures import MAX_AHEAD, Futures, Lane
 from rlexp.tinker.training import AdamStep, TrainingModel
 from rlexp.trainer.batch import Layout, TrainBatch
 from rlexp.trainer.controller import TrainController
@@ -323,7 +323,8 @@ def test_lane_runs_calls_in_seq_id_order_once_each():
         assert [await futures.get(r) for r in (one, two, three)] == [10, 20, 30]
         assert lane.submit(1, b"one", call(11)) == one  # a retry after it ran: not run again
         for bad, match in ((lambda: lane.submit(2, b"another body", call(22)), "already used"),
-                           (lambda: behind.submit(4, b"four", call(4)), "behind")):
+                           (lambda: behind.submit(4, b"four", call(4)), r"next calls \(5 \.\. "),
+                           (lambda: behind.submit(5 + MAX_AHEAD, b"far", call(0)), "next calls")):
             with pytest.raises(BadRequest, match=match) as e:
                 bad()
             assert e.value.field == "seq_id"
