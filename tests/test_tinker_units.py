@@ -1,9 +1,8 @@
 """The Tinker server's pieces without a server (rlexp/tinker/): its losses against Tinker's
 documented formulas (values and autograd gradients), the datums' checks, the trainer's rows with
 explicit targets, one training model's forward / forward_backward / optim_step on the tiny model,
-the per-model lane of calls, and the forward's protobuf output."""
+and the forward's protobuf output (the per-model lane of calls: tests/test_tinker_futures.py)."""
 
-import asyncio
 import math
 from functools import partial
 
@@ -17,7 +16,6 @@ from rlexp.algorithms.unclipped import DRO, CrossEntropy, ImportanceSampling
 from rlexp.sample import Sample, Status, TokenTrace
 from rlexp.tinker import datums, losses, proto
 from rlexp.tinker.errors import BadRequest
-from rlexp.tinker.futures import MAX_AHEAD, Futures, Lane
 from rlexp.tinker.training import AdamStep, TrainingModel
 from rlexp.trainer.batch import Layout, TrainBatch
 from rlexp.trainer.controller import TrainController
@@ -307,33 +305,6 @@ def test_gradients_add_up_over_calls_until_the_step(tiny_model_path):
         assert torch.allclose(p, before[name] - step, atol=1e-6, rtol=0), name
         moved = max(moved, float((p.detach() - before[name]).abs().max()))
     assert moved > 1e-3 and apart.steps == together.steps == 1 and together.pending_tokens == 0
-
-
-def test_lane_runs_calls_in_seq_id_order_once_each():
-    futures, ran = Futures(), []
-
-    def call(n):
-        return lambda: ran.append(n) or n * 10
-
-    async def main():
-        lane, behind = Lane(futures, "test"), Lane(futures, "behind", next_seq=5)
-        three = lane.submit(3, b"three", call(3))
-        assert lane.submit(3, b"three", call(33)) == three  # an SDK retry: the same call
-        one, two = lane.submit(1, b"one", call(1)), lane.submit(2, b"two", call(2))
-        assert [await futures.get(r) for r in (one, two, three)] == [10, 20, 30]
-        assert lane.submit(1, b"one", call(11)) == one  # a retry after it ran: not run again
-        for bad, match in ((lambda: lane.submit(2, b"another body", call(22)), "already used"),
-                           (lambda: behind.submit(4, b"four", call(4)), r"next calls \(5 \.\. "),
-                           (lambda: behind.submit(5 + MAX_AHEAD, b"far", call(0)), "next calls")):
-            with pytest.raises(BadRequest, match=match) as e:
-                bad()
-            assert e.value.field == "seq_id"
-        await lane.run_now(lambda: None)  # after everything queued on the lane's thread
-        lane.close()
-        behind.close()
-
-    asyncio.run(main())
-    assert ran == [1, 2, 3]
 
 
 def test_forward_output_decodes_to_the_per_datum_arrays_and_metrics():
