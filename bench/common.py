@@ -103,14 +103,16 @@ def rlexp_step_times(overrides: list[str], steps: int, workdir: Path) -> list[di
     return [r | {"whole": t1 - t0} for r, (t0, t1) in zip(records, zip(lines, lines[1:]), strict=True)]
 
 
-def child_block(cmd: list[str]) -> list[dict]:
+def child_block(cmd: list[str], pss: bool = False) -> list[dict]:
     """Run one block of a bench in a child process (its own engine, nothing shared). The
     child gets `--out PATH` appended and writes its per-step records there as JSON (vLLM
     prints to stdout, so stdout cannot carry them). Each record gets `tree_peak_mb`: the peak
     resident memory of the child's whole process tree over the block (vLLM's engine core is
-    a process of its own), sampled every 0.2 s; `tree_peak_pss_mb` the peak of its PSS (each
-    shared page counted once, bench/peak_memory.py `tree_memory`) and `tree_peak_pss_by_process`
-    the processes' PSS at that moment."""
+    a process of its own), sampled every 0.2 s; with `pss`, `tree_peak_pss_mb` the peak of its
+    PSS (each shared page counted once, bench/peak_memory.py `tree_memory`) and
+    `tree_peak_pss_by_process` the processes' PSS at that moment. PSS is opt-in: it walks each
+    process's page tables (~6 ms of CPU for a 2 GB process, every sample), which a bench
+    timing steps on a shared 2-core machine should not pay."""
     import json
     import os
     import subprocess
@@ -118,35 +120,41 @@ def child_block(cmd: list[str]) -> list[dict]:
     import tempfile
 
     import psutil
-    from peak_memory import tree_memory
+    from peak_memory import tree_memory, tree_rss
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([*cmd, "--out", out.name], stdout=subprocess.DEVNULL, stderr=err, text=True,
                                 env=dict(os.environ, HF_HUB_OFFLINE="1"))
         peak, peak_pss, at_peak, tree = 0, 0, [], psutil.Process(proc.pid)
         while proc.poll() is None:
-            processes = tree_memory(tree)
-            peak = max(peak, sum(rss for _, rss, _ in processes))
-            if sum(pss for _, _, pss in processes) > peak_pss:
-                peak_pss, at_peak = sum(pss for _, _, pss in processes), processes
+            if pss:
+                processes = tree_memory(tree)
+                peak = max(peak, sum(rss for _, rss, _ in processes))
+                if sum(p for _, _, p in processes) > peak_pss:
+                    peak_pss, at_peak = sum(p for _, _, p in processes), processes
+            else:
+                peak = max(peak, tree_rss(tree))
             time.sleep(0.2)
         if proc.returncode != 0:
             err.seek(0)
             sys.exit(f"block {' '.join(cmd)} failed:\n{err.read()[-4000:]}")
-        by_process = ", ".join(f"{name} {pss / 2**20:.0f}" for name, _, pss in at_peak if pss > 50 * 2**20)
-        return [{**step, "tree_peak_mb": peak / 2**20, "tree_peak_pss_mb": peak_pss / 2**20,
-                 "tree_peak_pss_by_process": by_process} for step in json.loads(Path(out.name).read_text())]
+        memory: dict = {"tree_peak_mb": peak / 2**20}
+        if pss:
+            memory |= {"tree_peak_pss_mb": peak_pss / 2**20, "tree_peak_pss_by_process": ", ".join(
+                f"{name} {p / 2**20:.0f}" for name, _, p in at_peak if p > 50 * 2**20)}
+        return [step | memory for step in json.loads(Path(out.name).read_text())]
 
 
-def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int) -> dict[str, list[dict]]:
+def alternate_blocks(sides: dict[str, list[str]], blocks: int, warmup: int,
+                     pss: bool = False) -> dict[str, list[dict]]:
     """Run each side's command `blocks` times, alternating which goes first, so both meet
     the same machine; drop each block's first `warmup` steps. Prints one line per block:
-    the median of every field."""
+    the median of every field; `pss`: see `child_block`."""
     out: dict[str, list[dict]] = {name: [] for name in sides}
     names = list(sides)
     for b in range(blocks):
         for name in names if b % 2 == 0 else names[::-1]:
-            steps = child_block(sides[name])[warmup:]
+            steps = child_block(sides[name], pss)[warmup:]
             out[name] += steps
             fields = "  ".join(f"{k} {median([s[k] for s in steps]):.3f}" if isinstance(v, float | int)
                                else f"{k}: {v}" for k, v in steps[0].items())

@@ -8,7 +8,10 @@ the transformers engine). The floor is the least any trainer must do with it: on
 backward, gradient clipping, AdamW. The reference forward is added to the floor on the
 steps where rlexp runs one (`train/kl`). Also timed, same tokens: the layouts a trainer
 could use (padded, packed rows one at a time as rlexp did before, packed rows stacked).
-Repetitions alternate rlexp and floor; medians.
+Repetitions alternate rlexp and floor; medians. `--also OVERRIDE ...` times a second trainer
+with those overrides in the same repetitions (e.g. `trainer.logits_chunk_tokens=8192`: the
+head scored whole, as the floor does, against rlexp's default chunks); `--fit-only` skips the
+packed layouts and the floor's reference forward.
 
 Run it against another checkout (e.g. before a change) with that checkout first on the
 path: `PYTHONPATH=/path/to/old .venv/bin/python bench/fit_overhead.py`.
@@ -93,6 +96,11 @@ class Floor:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--also", nargs="+", default=[], metavar="OVERRIDE",
+                   help="also time a second trainer with these overrides on top, alternating with the "
+                        "others (e.g. trainer.logits_chunk_tokens=8192: the head scored whole)")
+    p.add_argument("--fit-only", action="store_true",
+                   help="only the fit and the floor (no packed layouts; no reference forward in the floor)")
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. trainer.kl.coef=0.1")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -102,6 +110,8 @@ def main() -> None:
     model_path = default_model(cfg)
     batch = one_step_batch(cfg, model_path)
     trainer = instantiate(cfg.trainer, model_path=model_path)
+    also = instantiate(default_config(["trainer.sync_check.bound=off", *args.overrides, *args.also]).trainer,
+                       model_path=model_path) if args.also else None
     floor = Floor(model_path, cfg)
     ids, mask = padded(batch)
     rows = packed_rows(batch, 512)
@@ -110,15 +120,18 @@ def main() -> None:
           f"{len(rows)} packed rows of <= 512; torch threads {torch.get_num_threads()}")
 
     import time
-    times: dict[str, list[float]] = {k: [] for k in
-                                     ("fit", "floor", "floor+ref", "packed_one_at_a_time", "packed_stacked")}
+    sides = {"fit": lambda: trainer.fit(batch, 0), "floor": lambda: floor.padded(ids, mask),
+             "floor+ref": lambda: floor.padded(ids, mask, ref=True),
+             "packed_one_at_a_time": lambda: floor.packed_one_at_a_time(rows),
+             "packed_stacked": lambda: floor.packed_stacked(rows)}
+    if args.fit_only:
+        sides = {k: sides[k] for k in ("fit", "floor")}
+    if also is not None:
+        sides["fit " + " ".join(args.also)] = lambda: also.fit(batch, 0)
+    times: dict[str, list[float]] = {k: [] for k in sides}
     kl_steps = 0
     for rep in range(args.reps + 1):  # the first round warms up, untimed
-        for name, fn in (("fit", lambda: trainer.fit(batch, 0)),
-                         ("floor", lambda: floor.padded(ids, mask)),
-                         ("floor+ref", lambda: floor.padded(ids, mask, ref=True)),
-                         ("packed_one_at_a_time", lambda: floor.packed_one_at_a_time(rows)),
-                         ("packed_stacked", lambda: floor.packed_stacked(rows))):
+        for name, fn in sides.items():
             t0 = time.perf_counter()
             out = fn()
             if rep:
@@ -129,9 +142,12 @@ def main() -> None:
         print(f"{name:22} {median(ts):9.3f}  " + " ".join(f"{t:.3f}" for t in ts))
     fit, floor_s = median(times["fit"]), median(times["floor"])
     print(f"fit ran the reference forward on {kl_steps} of {args.reps} steps (train/kl)")
-    print(f"padded vs packed rows one at a time: {median(times['packed_one_at_a_time']) / floor_s:.2f}x the "
-          f"padded time; packed rows stacked: {median(times['packed_stacked']) / floor_s:.2f}x")
-    base = median(times["floor+ref"]) if kl_steps > args.reps // 2 else floor_s
+    if not args.fit_only:
+        print(f"padded vs packed rows one at a time: {median(times['packed_one_at_a_time']) / floor_s:.2f}x "
+              f"the padded time; packed rows stacked: {median(times['packed_stacked']) / floor_s:.2f}x")
+    base = median(times["floor+ref"]) if "floor+ref" in times and kl_steps > args.reps // 2 else floor_s
+    if also is not None:
+        print(f"fit {' '.join(args.also)} over the floor: {median(times[list(sides)[-1]]) / base:.3f}")
     print(f"ratio: {fit / base:.3f}")
 
 

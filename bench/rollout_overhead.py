@@ -6,8 +6,9 @@ Both paths use one vLLM AsyncLLM, the same prompts, the same seeds and the same
 SamplingParams, so they generate the same tokens. The raw path calls `AsyncLLM.generate`
 directly, one request with n = samples per prompt for each prompt group (what rlexp's
 engine sends); the rlexp path goes through DataManager -> SyncScheduler -> SingleTurnAgent
--> VLLMEngine -> Judge, plus trace capture (each sample serialised to a JSONL line and
-written to disk by a background thread, as the loop's tracker does).
+-> VLLMEngine -> Judge, plus trace capture as the loop's tracker does it (each sample's
+trace line handed to the run's MLflow writer process, which stores the step's trace file:
+`MlflowTracker.log_samples`, into an MLflow store in a temporary directory).
 
 A repetition is `--batches` batches (the default experiment's 32 prompts x 8 samples each),
 timed back to back: one batch takes about 0.3 s here, too short to time alone (single
@@ -22,12 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from rlexp.data.sources import ArithmeticSource
 from rlexp.judges.math_exact import MathExactJudge
 from rlexp.rollout.vllm_engine import VLLMEngine
 from rlexp.schedulers.sync import SyncScheduler
+from rlexp.tracking.mlflow_tracker import MlflowTracker
 
 CONF = Path(rlexp.config.__file__).resolve().parents[1] / "conf"  # the imported rlexp's checkout
 
@@ -91,28 +91,19 @@ class Streamed:
         return await self.engine.generate_streaming(token_ids, sampling, lambda ids, lps: None, images)
 
 
-async def rlexp_path(engine, tokenizer, args, rep: int, trace_dir: Path) -> tuple[int, float]:
+async def rlexp_path(engine, tokenizer, args, rep: int, tracker: MlflowTracker) -> tuple[int, float]:
     data = data_manager(args, rep)
     agent = SingleTurnAgent(engine, tokenizer, MathExactJudge())
     tokens, elapsed = 0, 0.0
     for b in range(args.batches):
         t0 = time.perf_counter()
         batch = await SyncScheduler().produce_batch(data, agent, version=0)
-        # As the loop's tracker does: the trace file is written by a background thread (in the
-        # loop it overlaps the fit); the clock stops at the hand-over, the write is awaited after.
-        write = asyncio.get_running_loop().run_in_executor(WRITER, write_trace, batch, tokenizer.decode,
-                                                          trace_dir / f"step_{rep:05d}_{b}.jsonl")
+        # As the loop does: the clock stops once the trace lines are handed to the writer process.
+        tracker.log_samples(batch, (rep + 1) * args.batches + b + 1, tokenizer.decode)
         elapsed += time.perf_counter() - t0
-        await write
         tokens += sum(s.response_length for s in batch)
+    tracker.flush()  # the writer's work is done before the next repetition
     return tokens, elapsed
-
-
-WRITER = ThreadPoolExecutor(1)
-
-
-def write_trace(batch, decode, path: Path) -> None:
-    path.write_text("\n".join(json.dumps(s.to_trace(decode)) for s in batch) + "\n")
 
 
 async def main(args) -> None:
@@ -125,19 +116,23 @@ async def main(args) -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            tracker = MlflowTracker(f"sqlite:///{tmp}/mlflow.db", "rollout_overhead",
+                                    trace_sample_rate=cfg.logger.trace_sample_rate)
+            tracker.start(cfg)
             await raw_vllm(engine, tokenizer, args, -1)  # warm-up
-            await rlexp_path(engine, tokenizer, args, -1, Path(tmp))
+            await rlexp_path(engine, tokenizer, args, -1, tracker)
             gc.collect()
             gc.freeze()  # as rlexp.run does after start-up: cheap full collections
             for rep in range(args.reps):
                 # Alternate which path goes first, so neither always meets a warmer engine.
                 sides = [partial(raw_vllm, engine, tokenizer, args, rep),
-                         partial(rlexp_path, engine, tokenizer, args, rep, Path(tmp))]
+                         partial(rlexp_path, engine, tokenizer, args, rep, tracker)]
                 if args.streaming:
-                    sides.append(partial(rlexp_path, Streamed(engine), tokenizer, args, rep, Path(tmp)))
+                    sides.append(partial(rlexp_path, Streamed(engine), tokenizer, args, rep, tracker))
                 order = range(len(sides)) if rep % 2 == 0 else reversed(range(len(sides)))
                 done = {i: await sides[i]() for i in order}
                 rows.append([done[i][0] / done[i][1] for i in range(len(sides))] + [done[0][0], done[1][0]])
+            tracker.end()
     finally:
         engine.shutdown()
     print(f"\nrequests per repetition: {args.batches} x {args.prompts * args.samples}  "

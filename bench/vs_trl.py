@@ -162,7 +162,7 @@ def main() -> None:
                      "rlexp": [sys.executable, *me, "rlexp"],
                      "rlexp_lean": [sys.executable, *me, "rlexp", "--overrides", *args.lean]}
             chosen = {side: every[side] for side in SIDES if side in args.sides or side == "trl"}
-            res = alternate_blocks(chosen, args.blocks, WARMUP)
+            res = alternate_blocks(chosen, args.blocks, WARMUP, pss=True)
             ratios[tokens] = report_setting(res)
     print()
     for tokens, r in ratios.items():

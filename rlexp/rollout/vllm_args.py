@@ -34,6 +34,9 @@ def engine_args(model_path: str, seed: int, dtype: str, max_model_len: int, max_
         # JSON constraints (response_format) without free whitespace: a grammar that allows
         # it lets a model pad a reply with blank lines up to max_tokens (an engine setting)
         structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+        # rlexp counts its own tokens and seconds; vLLM's per-engine-step statistics cost the
+        # loop's thread ~6 ms a default step (docs/benchmarks.md, "Where the step's time goes")
+        disable_log_stats=True,
     )
 
 

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import random
 import tempfile
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlflow
-import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities import Param, Run, ViewType
 from omegaconf import DictConfig, OmegaConf
 
 from rlexp.constraints import AtLeast1, Fraction
-from rlexp.sample import jsonable_messages
+from rlexp.tracking.traces import TraceJob
+from rlexp.tracking.writer import RunWriter
 
 log = logging.getLogger(__name__)
 EXPERIMENT_KIND = "mlflow.experimentKind"  # MLflow UI: "custom_model_development" = Model training
@@ -49,18 +45,19 @@ def experiment_id(client: MlflowClient, name: str, artifact_location: str | None
 
 @dataclass
 class MlflowTracker:
+    """A run in the MLflow store at `tracking_uri`: its params (the flattened resolved config)
+    and config.yaml from the loop's process, then its metrics and trace files (a share of
+    those as MLflow traces), which a writer process of its own stores (RunWriter)."""
     tracking_uri: str
     experiment_name: str
     artifact_location: str | None = None
     run_name: str | None = None
     log_traces: bool = True
     traces_every_n_steps: AtLeast1 = 1
-    trace_sample_rate: Fraction = 0.01
+    trace_sample_rate: Fraction = 0.001
     run_id: str | None = field(default=None, init=False)
     tags: dict[str, str] = field(default_factory=dict, init=False)  # e.g. the sweep's parent run, job number
-    # Trace JSONL files are serialised and written by one background thread, off the loop.
-    _writer: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
-    _pending: list[Future] = field(default_factory=list, init=False, repr=False)
+    _writer: RunWriter | None = field(default=None, init=False, repr=False)
 
     def start(self, cfg: DictConfig, extra_params: dict[str, Any] | None = None) -> str:
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -68,6 +65,7 @@ class MlflowTracker:
         mlflow.set_experiment(self.experiment_name)
         run = mlflow.start_run(run_name=self.run_name, tags=self.tags)
         self.run_id = run.info.run_id
+        self._writer = RunWriter(self.tracking_uri, run.info.experiment_id, self.run_id)
         params = flatten(OmegaConf.to_container(cfg, resolve=True)) | (extra_params or {})
         items = [(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
@@ -83,122 +81,42 @@ class MlflowTracker:
         again, appear once."""
         mlflow.set_tracking_uri(self.tracking_uri)
         new_id, resumes = continue_run(MlflowClient(), run_id, step)
-        self.run_id = mlflow.start_run(run_id=new_id).info.run_id
+        run = mlflow.start_run(run_id=new_id)
+        self.run_id = run.info.run_id
+        self._writer = RunWriter(self.tracking_uri, run.info.experiment_id, self.run_id)
         mlflow.set_tags(tags | {RESUMES: str(resumes), "rlexp.resumed_from_step": str(step)})
         log.info("mlflow: resumed run %s at step %d as run %s", run_id, step, new_id)
 
     def flush(self) -> None:
-        """Make sure everything logged so far is in the store (before a checkpoint says so):
-        metrics, trace files and sampled traces, all logged asynchronously."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()  # a failed write raises here
-        mlflow.flush_async_logging()
-        mlflow.flush_trace_async_logging()
+        """Make sure everything logged so far is in the store (before a checkpoint says so);
+        a failed write raises here."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step, synchronous=False)
+        assert self._writer is not None, "log_metrics before start()"
+        self._writer.metrics(metrics, step)
 
     def log_samples(self, samples, step: int, decode, name: str = "traces") -> None:
         if not self.log_traces or step % self.traces_every_n_steps:
             return
-        assert self.run_id is not None, "log_samples before start()"
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="rlexp-traces")
-        self._pending = [f for f in self._pending if not f.done() or f.exception()]
-        self._pending.append(self._writer.submit(write_trace_file, self.run_id, samples, decode,
-                                                 f"{name}/step_{step:05d}.jsonl"))
-        if name == "traces" and self.trace_sample_rate > 0:
-            rng = random.Random(step)  # the same samples are picked on a rerun
-            for s in samples:
-                if rng.random() < self.trace_sample_rate:
-                    log_mlflow_trace(s, step)
+        assert self._writer is not None, "log_samples before start()"
+        rate = self.trace_sample_rate if name == "traces" else 0.0
+        self._writer.traces(TraceJob.of(samples, decode, f"{name}/step_{step:05d}.jsonl", step, rate))
 
     def end(self, status: str = "FINISHED", error: str | None = None) -> None:
-        if self.run_id is not None:
-            if error:
-                mlflow.set_tag("rlexp.error", error[:5000])
-            self.flush()
-            mlflow.end_run(status=status)
-            self.run_id = None
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
-
-
-def write_trace_file(run_id: str, samples, decode, artifact_file: str) -> None:
-    """One step's trajectories as a JSONL artifact of the run (token ids, masks, logprobs,
-    versions, decoded text). Runs on the writer thread: the run is named explicitly, since
-    MLflow's active run belongs to the loop's thread. An MoE run's routing goes beside it,
-    compressed binary (`<step>.routing.npz`, one array per line's key), not into the JSON; a
-    vision-language run's images go beside it as PNG files (`<step>.images/<line>_<k>.png`),
-    each line listing its own (`images`, in the order of the prompt's image parts) and where
-    their tokens sit (`image_spans`: [start, end) token positions of each run of image slots)."""
-    client = MlflowClient()
-    lines, routed = [], {}
-    npz = Path(artifact_file).with_suffix(".routing.npz")
-    pictures = Path(artifact_file).with_suffix(".images")
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, s in enumerate(samples):
-            line = s.to_trace(decode)
-            if (routing := s.trace.routed_experts) is not None:
-                routed[str(i)] = routing
-                line["routed_experts"] = {"file": npz.name, "key": str(i), "shape": list(routing.shape)}
-            if images := (s.mm_infer_info or {}).get("images"):
-                line["images"] = [_save_png(image, Path(tmp) / pictures.name / f"{i}_{k}.png")
-                                  for k, image in enumerate(images)]
-                line["image_spans"] = s.mm_infer_info.get("spans", [])
-            lines.append(json.dumps(line))
-        client.log_text(run_id, "\n".join(lines) + "\n", artifact_file)
-        if routed:
-            np.savez_compressed(Path(tmp) / npz.name, **routed)
-            client.log_artifact(run_id, str(Path(tmp) / npz.name), str(npz.parent))
-        if (Path(tmp) / pictures.name).is_dir():
-            client.log_artifacts(run_id, str(Path(tmp) / pictures.name), str(pictures))
-
-
-def _save_png(image, path: Path) -> str:
-    """`image` (PIL) written to `path`; its name relative to the trace file's folder."""
-    path.parent.mkdir(exist_ok=True)
-    image.save(path, format="PNG")
-    return f"{path.parent.name}/{path.name}"
-
-
-@contextlib.contextmanager
-def _own_random():
-    """OpenTelemetry draws trace and span ids from the global `random`, which every run seeds
-    the same way: ids would repeat across runs (one run's traces overwriting another's in
-    the store), and tracing would shift the run's own random stream. Give it fresh entropy
-    and put the run's state back."""
-    state = random.getstate()
-    random.seed()
-    try:
-        yield
-    finally:
-        random.setstate(state)
-
-
-def log_mlflow_trace(s, step: int) -> None:
-    """One trajectory as an MLflow trace linked to the active run (Traces tab of the run):
-    the prompt in, the response and reward out, one child span per turn."""
-    with _own_random(), mlflow.start_span(name=f"trajectory step {step}", span_type="AGENT") as root:
-        root.set_inputs({"messages": jsonable_messages(s.prompt), "answer": s.answer})
-        mlflow.update_current_trace(tags={"rlexp.step": str(step)})
-        root.set_attributes({"rlexp.step": step, "rlexp.uid": s.uid, "rlexp.group_id": s.group_id,
-                             "rlexp.status": s.status.value, "rlexp.reward": s.reward,
-                             "rlexp.finish_reason": s.finish_reason,
-                             "rlexp.policy_version": s.oldest_version})
-        for i, turn in enumerate(s.turns):
-            kind = "LLM" if turn.get("mask") else "TOOL" if turn.get("role") == "tool" else "UNKNOWN"
-            with mlflow.start_span(name=f"turn {i}: {turn.get('role', '')}", span_type=kind) as span:
-                span.set_outputs({"text": turn.get("text", "")})
-                span.set_attributes({"rlexp.span": list(turn.get("span", [])),
-                                     "rlexp.trained": turn.get("mask", 0)})
-                if "sampling" in turn:  # what the request constrained or changed (a server's reply)
-                    span.set_attributes({"rlexp.sampling": json.dumps(turn["sampling"])})
-        root.set_outputs({"response": s.response_text, "reward": s.reward,
-                          "reward_components": s.reward_components}
-                         | ({"judge": s.metadata["judge"]} if "judge" in s.metadata else {}))  # a model judge
+        """Wait for the writer to store everything, then end the run (even when a write failed:
+        that failure raises after)."""
+        writer, self._writer = self._writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if self.run_id is not None:
+                if error:
+                    mlflow.set_tag("rlexp.error", error[:5000])
+                mlflow.end_run(status=status)
+                self.run_id = None
 
 
 def continue_run(client: MlflowClient, source_id: str, step: int) -> tuple[str, int]:
