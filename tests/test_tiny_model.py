@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlexp.chat.render import render_prompt
-from rlexp.models.tiny import build_char_tokenizer, build_tiny_model
+from rlexp.models.machine import KERNEL_FLAGS, MachineKind, _cpuinfo, machine_kind
+from rlexp.models.tiny import INTEL_AVX512_AMX, build_char_tokenizer, build_tiny_model
 from tests.conftest import TINY_KW
 
 
@@ -112,21 +113,44 @@ def test_tool_warm_start_examples_label_only_the_assistant_replies():
     assert tool_call_text("12+34=") == call
 
 
-# sha256 of model.safetensors, as built with the pinned packages on this CPU level (AVX2).
-PINNED = {0: "47239fa8dc9e4fc9c9faa555bd669a65416db37b2cd862453600871a8828f402",
-          25: "c9fd7b052e8776b14839ebd4f484f069264776bc2c37602de181719a956e8017"}
+# sha256 of model.safetensors, as built with the pinned packages, by the machine kind it was made
+# on. The random initial weights (0 steps) are the same on both kinds; one warm-start step
+# through MKL's sgemm is enough to part them (docs/models-and-data.md, Reproducibility).
+AMD_AVX2 = MachineKind("AuthenticAMD", "AVX2", None)
+PINNED = {
+    0: [(AMD_AVX2, "47239fa8dc9e4fc9c9faa555bd669a65416db37b2cd862453600871a8828f402"),
+        (INTEL_AVX512_AMX, "47239fa8dc9e4fc9c9faa555bd669a65416db37b2cd862453600871a8828f402")],
+    25: [(AMD_AVX2, "c9fd7b052e8776b14839ebd4f484f069264776bc2c37602de181719a956e8017"),
+         (INTEL_AVX512_AMX, "c8f883a6df2a3659d3574fd11180247669857b5022aed0ad857534fa93a82d8a")],
+}
 
 
 @pytest.mark.parametrize("steps", sorted(PINNED))
 def test_the_build_gives_the_same_bytes_as_the_reference(steps, tmp_path):
-    """README "Reproducibility": same arguments, CPU level and package versions -> the same
-    weights, bit for bit. Fails when a version or the build recipe changes the bytes."""
-    if (torch.__version__, torch.backends.cpu.get_cpu_capability()) != ("2.13.0+cpu", "AVX2"):
-        pytest.skip("the pinned bytes were made with torch 2.13.0+cpu on an AVX2 CPU")
+    """Same arguments, machine kind and package versions -> the same weights, bit for bit.
+    Fails when a version or the build recipe changes the bytes; skips on a kind with no pin."""
+    here = machine_kind()
+    pinned = next((sha for kind, sha in PINNED[steps] if kind.holds_on(here)), None)
+    if torch.__version__ != "2.13.0+cpu" or pinned is None:
+        pytest.skip(f"no pinned build for torch {torch.__version__} on {here} (pinned: "
+                    f"{'; '.join(str(kind) for kind, _ in PINNED[steps])})")
     kw = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_steps=steps,
               warm_start_batch_size=64, warm_start_lr=0.001, warm_start_target_accuracy=1.0,
               task_max_operand=99, task_ops="+", task_eval_size=200, task_seed=0)
     path = Path(build_tiny_model(str(tmp_path), **kw))
     info = json.loads((path / "rlexp_build.json").read_text())
     assert info["sha256"] == hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
-    assert info["sha256"] == PINNED[steps], info
+    assert info["sha256"] == pinned, info
+
+
+def test_the_machine_kind_reads_the_vendor_and_the_kernel_extensions(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    first = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    cpuinfo.write_text(first + "\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu\n")
+    assert _cpuinfo(cpuinfo) == ("AuthenticAMD", {"fpu", "avx2", "avx512f", "avx512_bf16"})
+    assert _cpuinfo(tmp_path / "absent") == ("unknown", set())
+    kind = MachineKind("AuthenticAMD", "AVX512", ("avx2", "avx512f", "avx512_vnni", "avx512_bf16"))
+    assert str(kind) == "AuthenticAMD AVX512 (avx2+avx512f+avx512_vnni+avx512_bf16)"
+    here = machine_kind()
+    assert set(here.extensions or ()) <= set(KERNEL_FLAGS)
+    assert here.level == torch.backends.cpu.get_cpu_capability()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from rlexp.data import arithmetic
+from rlexp.models.machine import MachineKind, machine_kind
 
 if TYPE_CHECKING:
     from transformers import Qwen2Tokenizer
@@ -42,13 +43,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 FORMAT_VERSION = 4  # bump when the build recipe changes, to invalidate caches
-# sha256 of model.safetensors of builds whose runs the README reports, by cache key, with
-# where they were made. The same bytes come back on any machine with the same CPU level and
-# package versions (scripts/install.sh pins them); see README "Reproducibility".
-REFERENCE_BUILDS = {
-    "c851d0c9b48a": ("4012c8fcc6033d26119d8600c919879a28cbe3dfed754876411a0faed3f22f50",
-                     "torch 2.13.0+cpu, transformers 5.19.0, CPU level AVX2"),  # the default model
+INTEL_AVX512_AMX = MachineKind("GenuineIntel", "AVX512", (  # a Xeon with AMX
+    "avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8"))
+# sha256 of model.safetensors of builds whose runs the docs report, by cache key, with the
+# machine kind they were made on (torch 2.13.0+cpu, transformers 5.19.0: the pins). The same
+# bytes come back on a machine of that kind; see docs/models-and-data.md, Reproducibility.
+REFERENCE_BUILDS: dict[str, list[tuple[MachineKind, str]]] = {
+    "db56b6bd5abd": [  # the default model
+        (INTEL_AVX512_AMX, "4cb4c04e102fda7541c5cea4125fa163fc0c510716a49d881b2a22ca287a0efd"),
+    ],
 }
+
+
+def reference_build(key: str, here: MachineKind) -> str | None:
+    """The sha256 the build of cache key `key` has on a machine of kind `here`, where known."""
+    return next((sha for kind, sha in REFERENCE_BUILDS.get(key, []) if kind.holds_on(here)), None)
 
 
 def _byte_level(ch: str) -> str:
@@ -183,24 +193,26 @@ def _save_atomically(model, tokenizer, out: Path, args: dict, key: str) -> None:
     digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
     made_with = build_environment()
     (tmp / "rlexp_build.json").write_text(json.dumps(args | made_with | {"sha256": digest}, indent=2))
-    reference, where = REFERENCE_BUILDS.get(key, (digest, ""))
-    if digest != reference:
-        log.warning("tiny model: these weights differ from the reference build (%s; here: %s), so runs "
-                    "will not reproduce the README's figures exactly (README: Reproducibility)",
-                    where, ", ".join(f"{k} {v}" for k, v in made_with.items()))
+    reference = reference_build(key, machine_kind())
+    if reference is not None and digest != reference:
+        log.warning("tiny model: these weights differ from the reference build made on this machine kind "
+                    "(%s), so runs will not reproduce the docs' figures exactly (docs: Reproducibility)",
+                    ", ".join(f"{k} {v}" for k, v in made_with.items()))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
 
 def build_environment() -> dict[str, str]:
-    """What a build's bytes depend on besides its arguments: kernels differ by CPU level
-    (AVX2, AVX-512, ...) and by library version."""
+    """What a build's bytes depend on besides its arguments: the library versions and the machine
+    kind (rlexp/models/machine.py: vendor, CPU level, kernel extensions)."""
     import tokenizers
     import torch
     import transformers
 
+    kind = machine_kind()
     return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "tokenizers": tokenizers.__version__, "cpu_vendor": kind.vendor, "cpu_capability": kind.level,
+            "cpu_extensions": "+".join(kind.extensions or ())}
 
 
 def tool_call_text(question: str) -> str:
