@@ -120,6 +120,23 @@ def test_topk_forward_kl_is_zero_only_where_the_student_matches():
     assert topk_forward_kl(torch.log(torch.tensor([[0.3, 0.15]])), teacher).item() > 0.0
 
 
+def test_topk_forward_kl_is_never_below_zero():
+    # a teacher whose top-2 mass is 1.01 (rest floored at eps): the formula's terms give
+    # 0.31 * log(0.31 / 0.32) + eps * (log eps - log eps) = -0.0098; a KL is clamped at 0
+    teacher = torch.log(torch.tensor([[0.7, 0.31]]))
+    student = torch.log(torch.tensor([[0.7, 0.32]])).requires_grad_()
+    kl = topk_forward_kl(student, teacher)
+    assert kl.item() == 0.0
+    kl.sum().backward()
+    assert student.grad.abs().max().item() == 0.0
+    # a student within float rounding of the teacher, at 3,200 positions: no value below 0
+    logits = torch.randn(64, 50, 50, generator=torch.Generator().manual_seed(0)) * 3
+    near = logits + torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)) * 1e-6
+    top = torch.log_softmax(logits, -1).topk(4, -1)
+    kl = topk_forward_kl(torch.log_softmax(near, -1).gather(-1, top.indices), top.values)
+    assert kl.min().item() >= 0.0 and kl.max().item() < 1e-6
+
+
 def test_own_tokens_keeps_the_trained_tokens_and_checks_the_reply():
     scores = PromptLogprobs([-1.0, -2.0, -3.0, -4.0], [{7: -1.0, 8: -1.5}, {1: -2.0, 2: -0.5},
                                                       {3: -3.0, 4: -0.1}, {5: -4.0, 6: -0.2}])

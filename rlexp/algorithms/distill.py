@@ -22,7 +22,10 @@ bucket ("rest"), the forward KL of the two (k + 1)-bucket distributions is
 
 exact for the coarsened distributions (a lower bound of the full forward KL, 0 only where the
 student matches the teacher on every bucket), never the top-k terms alone, which ignore the
-mass the student puts elsewhere. `trainer.distill.forward_kl_coef` adds coef * KL_t to each
+mass the student puts elsewhere. A KL is >= 0, but its floating-point terms can sum to a
+rounding below 0 where the student matches the teacher (-9e-9 seen in a run; a teacher's top-k
+mass over 1 gives more), so each token's KL_t is clamped at 0: there the true value and its
+gradient are 0 to within that rounding. `trainer.distill.forward_kl_coef` adds coef * KL_t to each
 scored token's loss; its gradient reaches the student's logprobs of the k ids and of the rest."""
 
 from __future__ import annotations
@@ -57,11 +60,12 @@ def distill_advantages(d: torch.Tensor, kl_coef: float, discount: float) -> torc
 def topk_forward_kl(student_top: torch.Tensor, teacher_top: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """KL_t of the (k + 1)-bucket distributions: `student_top` / `teacher_top` [..., k] are the
     logprobs both give the teacher's top-k ids; the rest's mass is 1 - their sum (floored at
-    `eps` so that its log stays finite). Returns [...]."""
+    `eps` so that its log stays finite). Returns [...], each value clamped at 0."""
     p_t = teacher_top.exp()
     rest_t = (1 - p_t.sum(-1)).clamp(min=eps)
     rest_s = (1 - student_top.exp().sum(-1)).clamp(min=eps)
-    return (p_t * (teacher_top - student_top)).sum(-1) + rest_t * (rest_t.log() - rest_s.log())
+    kl = (p_t * (teacher_top - student_top)).sum(-1) + rest_t * (rest_t.log() - rest_s.log())
+    return kl.clamp(min=0.0)
 
 
 class Distillation(OutcomeEstimator):
