@@ -39,7 +39,9 @@ def quiet_third_party() -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")
     # MLflow: "Flushing the async trace logging queue before program exit", "Creating initial
     # MLflow database tables" are INFO about its own housekeeping.
-    for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils"):
+    # httpx: one INFO line per request ("HTTP Request: POST ... 200 OK"), a teacher=openai
+    # run's every score and an OpenAI client's every call; httpcore: its DEBUG trace.
+    for name in ("mlflow.tracing.export.async_export_queue", "mlflow.store.db.utils", "httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.WARNING)
     arg_utils = logging.getLogger("vllm.engine.arg_utils")
     if not any(isinstance(f, _NoSeedWarning) for f in arg_utils.filters):

@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from rlexp.models.tiny_bpe import build_bpe_model
+from rlexp.teachers.serve import serve_command
 from tests.distill_helpers import distill_run, mlflow_run, refused, student
 
 
@@ -43,6 +44,7 @@ def test_an_unreachable_teacher_is_one_line(tmp_path, tiny_model_path):
                          f"teacher.base_url=http://127.0.0.1:{port}/v1", "teacher.model=t", "recipe=distill")
     line = refused(res)
     assert f"127.0.0.1:{port}" in line and "unreachable" in line
+    assert f"`{serve_command(name='t', port=port, max_model_len=257)}`" in line  # rollout.max_model_len + 1
 
 
 @pytest.mark.parametrize("overrides,said", [

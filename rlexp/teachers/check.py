@@ -1,7 +1,9 @@
 """What a run checks of its teacher before any engine starts (rlexp/preflight.py): the
 teacher's model directory, its vocabulary against the student's (a different one is refused
-unless `teacher.align` maps it through the text), and a server's reachability (teacher=openai).
-It reads tokenizer.json files and asks the server once: no torch, transformers or vLLM."""
+unless `teacher.align` maps it through the text), and (teacher=openai) that the server answers,
+serves `teacher.model` and uses the tokenizer the run reads its scores with (served.py). It
+reads tokenizer.json files and asks the server: no torch or vLLM, and transformers only for a
+directory without a tokenizer.json."""
 
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ def check_teacher(cfg: DictConfig, student_path: str) -> None:
             raise ConfigError(f"teacher.model_path={teacher_path}: no model directory (config.json) there")
         check_vocabularies(student_path, str(teacher_path), bool(node.get("align")))
     if "base_url" in node:
+        from rlexp.teachers.openai import CHECK_TIMEOUT_S
+        from rlexp.teachers.served import check_served_tokenizer
+
         with config_error_unwrapped():
             teacher = instantiate(node)
         try:
-            teacher.check()
+            length = OmegaConf.select(cfg, "rollout.max_model_len")
+            teacher.check(length + 1 if isinstance(length, int) else "<n>")  # a sequence and one token
+            check_served_tokenizer(teacher, student_path, CHECK_TIMEOUT_S)
         finally:
             teacher.shutdown()
 

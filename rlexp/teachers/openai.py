@@ -1,6 +1,6 @@
 """`teacher=openai`: a teacher behind any OpenAI-compatible server that returns prompt logprobs
-(vLLM's `vllm serve <dir>`, the reference), reached over HTTP; the server batches the requests
-in flight (at most `max_concurrency` at once).
+(vLLM's OpenAI server, the reference: `serve_command` in serve.py), reached over HTTP; the
+server batches the requests in flight (at most `max_concurrency` at once).
 
 One sequence, one request, token-in (no text crosses, so no re-tokenization):
 
@@ -43,8 +43,9 @@ import httpx
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
 from rlexp.errors import ConfigError, TeacherError
 from rlexp.sample import PromptLogprobs
+from rlexp.teachers.serve import serve_command
 
-CHECK_TIMEOUT_S = 5.0  # the preflight's wait for `/models`, before any engine starts
+CHECK_TIMEOUT_S = 5.0  # the preflight's wait for each reply (`/models`, served.py's) before any engine
 CLOSE_TIMEOUT_S = 5.0
 
 
@@ -58,14 +59,16 @@ class OpenAITeacher:
     the token's own logprob; `timeout_s`: the longest one request may take once sent (waiting
     for a slot does not count); `max_concurrency`: requests in flight at once; `tokenizer`: the
     directory of the teacher's tokenizer (None: the student's); `align`: that tokenizer differs
-    from the student's, its scores are mapped through the text."""
+    from the student's, its scores are mapped through the text; `same_tokenizer`: the server
+    uses the student's tokenizer, for a server that cannot be asked which it uses (no
+    `/tokenize`, served.py)."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, top_k: AtLeast0 = 0,
                  timeout_s: Positive = 60.0, max_concurrency: AtLeast1 = 32, tokenizer: str | None = None,
-                 align: bool = False):
+                 align: bool = False, same_tokenizer: bool = False):
         self.base_url, self.model, self.api_key = base_url.rstrip("/"), model, api_key
         self.top_k, self.timeout_s, self.max_concurrency = top_k, timeout_s, max_concurrency
-        self.tokenizer_path, self.align = tokenizer, align
+        self.tokenizer_path, self.align, self.same_tokenizer = tokenizer, align, same_tokenizer
         self.url = f"{self.base_url}/completions"
         self._client: httpx.AsyncClient | None = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -115,17 +118,18 @@ class OpenAITeacher:
         except Malformed as e:
             raise TeacherError(f"teacher=openai: {self.url} replied with {e}") from None
 
-    def check(self) -> None:
+    def check(self, max_model_len: int | str = "<n>") -> None:
         """Preflight, before any engine starts: the server answers and serves `model`, else
-        ConfigError (one line)."""
+        ConfigError (one line; `max_model_len`: what the command it suggests starts the server
+        with). Its tokenizer is checked next (served.py)."""
         url = f"{self.base_url}/models"
         try:
             with httpx.Client(headers=self._headers(), timeout=CHECK_TIMEOUT_S, trust_env=False) as http:
                 reply = http.get(url)
         except (httpx.HTTPError, httpx.InvalidURL) as e:
+            start = serve_command(name=self.model, port=_port(self.base_url), max_model_len=max_model_len)
             raise ConfigError(f"teacher=openai: {self.base_url} is unreachable ({_reason(e)}): start the "
-                              f"teacher's server (e.g. `vllm serve <dir> --served-model-name {self.model} "
-                              f"--port {_port(self.base_url)}`) or set teacher.base_url") from None
+                              f"teacher's server (e.g. `{start}`) or set teacher.base_url") from None
         if reply.status_code != 200:
             raise ConfigError(f"teacher=openai: {url} answered HTTP {reply.status_code}: "
                               f"{_one_line(reply.text)}")
