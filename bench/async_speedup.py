@@ -139,14 +139,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--thresholds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--partial", choices=["true", "false"], default="true")
+    ap.add_argument("--mode", choices=["keep", "abort", "wait"], default="abort",
+                    help="scheduler.update_mode: what a weight update does with running generations")
     ap.add_argument("--pin", action="store_true",
                     help=f"also run each configuration with the trainer on core {DRIVER_CORE}, vLLM on "
                          f"core {ENGINE_CORE}")
     args = ap.parse_args()
     configs = {"sync": ["scheduler=sync"]} | {
         f"async_{k}": ["scheduler=async", f"scheduler.staleness_threshold={k}",
-                       f"scheduler.enable_partial_rollout={args.partial}"] for k in args.thresholds}
+                       f"scheduler.update_mode={args.mode}"] for k in args.thresholds}
     if args.pin:
         configs |= {f"{n}_pin": o for n, o in configs.items()}
     names = list(configs)
@@ -160,7 +161,7 @@ def main() -> None:
                 print(f"rep {rep} {name:11s} loop {r['loop_s']:6.1f}s  wall {r['wall_s']:6.1f}s", flush=True)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
     print(f"\nworkload {args.workload}, {args.steps} steps, {args.reps} rep(s), "
-          f"partial rollout {args.partial}; medians; _pin: trainer on core {DRIVER_CORE}, vLLM on core "
+          f"update mode {args.mode}; medians; _pin: trainer on core {DRIVER_CORE}, vLLM on core "
           f"{ENGINE_CORE}, otherwise both cores shared")
     cols = ["loop_s", "wall_s", "eval_start", "eval_end", "engine_idle", "trainer_idle", "staleness_mean",
             "staleness_max", "expired", "untrained_tokens", "len_mean", "len_p50", "len_p90", "len_max",

@@ -9,9 +9,10 @@ trainer, its weights pushed (version 0), a batch from the engine and one real up
 lr 1e-3, GRPO); then the faulty push (version 1), a batch of the same prompts, and the fit's
 check on it, as a run would make them. Rows:
   tiny model (default experiment's, tied embeddings): a correct push; the lm_head left out of
-    the push; the prefix cache not reset after the reload (each prompt ~150 tokens, one KV
-    block cached); a transport that sent nothing; in float32, weights cast to bfloat16 on
-    the way; with LoRA (rank 8): a correct push, the base weights without the adapters.
+    the push; the old weights' KV reused after the reload (the prefix cache neither reset nor
+    salted by version; each prompt ~150 tokens, one KV block cached); a transport that sent
+    nothing; in float32, weights cast to bfloat16 on the way; with LoRA (rank 8): a correct
+    push, the base weights without the adapters.
     8 questions x 2 samples, 8 tokens at most.
   tiny MoE (Qwen3-MoE layout, random weights, routing replay on): a correct push; the push
     through vLLM's own reload, which skips the CPU experts' repack. 4 prompts x 2 samples.
@@ -48,7 +49,7 @@ LORA = {"lora": {"rank": 8}}
 # (row name, the push, extra trainer settings, dtypes it applies to)
 TINY_CASES = [("healthy", sf.correct, {}, None),
               ("lm_head left out (tied)", sf.lm_head_left_out, {}, None),
-              ("prefix cache not reset", sf.caches_kept, {}, None),
+              ("prefix cache neither reset nor salted", sf.kv_reused, {}, None),
               ("transport sent nothing", sf.nothing_sent, {}, None),
               ("cast to bfloat16 on the way", sf.rounded_to_bfloat16, {}, ("float32",)),
               ("healthy, LoRA", sf.correct, LORA, None),

@@ -22,6 +22,7 @@ def check_components(cfg: DictConfig, images: bool) -> None:
     `images`: the data has prompts with images."""
     _check_judge_methods(cfg)
     _check_scheduler(cfg)
+    _check_update_mode(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
     if images:
@@ -108,6 +109,15 @@ def _check_graders(cfg: DictConfig) -> None:
             raise ConfigError(f"{where} grades on the policy's engine with its reply constrained "
                               f"({where}.reply_regex), which rollout=hf cannot do: use rollout=vllm, "
                               f"{where}.reply_regex=null, or {where}.base_url")
+
+
+def _check_update_mode(cfg: DictConfig) -> None:
+    """A scheduler's `update_mode` is one its rollout engine can do (`update_modes`)."""
+    mode = OmegaConf.select(cfg, "scheduler.update_mode")
+    modes = declares(cfg.rollout, "rollout", RolloutEngine, "update_modes")
+    if mode is not None and mode not in modes:
+        raise ConfigError(f"scheduler.update_mode={mode}: rollout._target_={cfg.rollout._target_} can "
+                          f"do {' or '.join(modes)} at a weight update (keep needs rollout=vllm)")
 
 
 def _check_scheduler(cfg: DictConfig) -> None:

@@ -25,3 +25,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Placement = Literal["split", "colocate"]
 # Ray's placement group strategies (cluster.strategy)
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+
+# What a rollout engine does with its running generations at a weight update (scheduler.update_mode)
+UpdateMode = Literal["keep", "abort", "wait"]

@@ -12,7 +12,8 @@ from rlexp.sample import Sample, Status
 
 
 def was_resumed(s: Sample) -> bool:
-    """A policy turn whose tokens came from more than one policy version (partial rollout)."""
+    """A policy turn whose tokens came from more than one policy version (a weight update while
+    it generated: update_mode abort or keep)."""
     return any(t["mask"] and len(set(s.versions[slice(*t["span"])])) > 1 for t in s.turns)
 
 
@@ -37,6 +38,8 @@ def rollout_metrics(batch: list[Sample], version: int) -> dict[str, float]:
         "rollout/tokens": float(tokens),
         **{f"samples/{st.value}": float(counts.get(st.value, 0)) for st in Status},
         "samples/resumed": float(sum(was_resumed(s) for s in done)),
+        # newer weights' tokens over KV older ones wrote (update_mode=keep): not sync-checked
+        "rollout/mixed_tokens": float(sum(s.trace.mixed_tokens() for s in done)),
         # agent/judge faults (FAILED, or ABORTED by a timeout): the run stops past a limit
         "samples/failed_frac": sum(s.error is not None for s in batch) / max(len(batch), 1),
         "rollout/staleness_mean": sum(k * n for k, n in staleness.items()) / n,

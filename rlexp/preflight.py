@@ -35,7 +35,7 @@ from rlexp.data.manager import DataManager
 from rlexp.data.sources import PromptSource
 from rlexp.errors import ConfigError, config_error_unwrapped
 from rlexp.evaluator import Evaluator
-from rlexp.sample import split_images
+from rlexp.messages import split_images
 from rlexp.teachers.check import check_teacher
 from rlexp.tools import tool_specs
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
     from omegaconf import DictConfig
 
+    from rlexp.constraints import UpdateMode
     from rlexp.data.manager import DataManager
     from rlexp.rollout.accounting import BusyMeter
     from rlexp.sample import Generation, PromptLogprobs, Sample, SamplingConfig
@@ -42,6 +43,7 @@ class RolloutEngine(Protocol):
     # What the class can do, read from the `rollout._target_` class before anything is built:
     takes_images: bool = False  # `generate(images=...)`: a vision-language model's pictures
     constrains_replies: bool = False  # applies `SamplingConfig.constraint` (guided decoding)
+    update_modes: tuple[str, ...] = ("abort", "wait")  # what `pause` can do (scheduler.update_mode)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list[Any] | None = None) -> Generation:
@@ -60,10 +62,13 @@ class RolloutEngine(Protocol):
             on_tokens(gen.token_ids, gen.logprobs)
         return gen
 
-    async def pause(self, interrupt: bool) -> None:
-        """Stop starting new work before a weight update. interrupt=False: wait until every
-        in-flight request finished; True: cut them short now; each resumes under the new
-        weights after `resume`, every token keeping the version that produced it."""
+    async def pause(self, mode: UpdateMode) -> None:
+        """Stop starting new work before a weight update. `mode`: "wait" until every in-flight
+        request finished; "abort" cuts them short now, each continuing from its tokens under
+        the new weights after `resume` (prompt and tokens prefilled again); "keep" freezes them
+        with their KV cache, to go on under the new weights after `resume` with nothing
+        prefilled again (an engine without it lacks "keep" in `update_modes`). Every token
+        keeps the version that produced it."""
         ...
 
     async def resume(self) -> None: ...

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from rlexp.constraints import AtLeast1, NonNegative, TopP
+from rlexp.messages import jsonable_messages, trace_metadata
 
 T = TypeVar("T")
 
@@ -91,6 +92,10 @@ class Generation:
     # MoE, with rollout.routing_capture: the experts each layer chose at each position the
     # engine computed, a numpy integer array [prompt + generated - 1, layers, k]
     routed_experts: Any = None
+    # An in-flight weight update (update_mode=keep): the tokens from `mixed_from` on were
+    # produced by newer weights over KV that version `context_version` wrote (None: none were)
+    mixed_from: int | None = None
+    context_version: int | None = None
 
     @property
     def version(self) -> int:
@@ -120,66 +125,6 @@ class TeacherScores:
     scored: list[int]
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
-
-
-def split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
-    """(`messages` with each image part bare, `{"type": "image"}` as a chat template takes it;
-    their images, in order)."""
-    bare, images = [], []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            images += [p["image"] for p in m["content"] if p.get("type") == "image"]
-            m = {**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
-        bare.append(m)
-    return bare, images
-
-
-def as_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each string content as one text part (for a chat template that reads content as parts)."""
-    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
-            else m for m in messages]
-
-
-def jsonable_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` with each image part as `{"type": "image", "index": k}` (its place among the
-    sample's images) in place of the image itself."""
-    out, k = [], 0
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            parts = []
-            for part in m["content"]:
-                if part.get("type") == "image":
-                    part, k = {"type": "image", "index": k}, k + 1
-                parts.append(part)
-            m = {**m, "content": parts}
-        out.append(m)
-    return out
-
-
-# Metadata a trace line does not repeat: the judge's exchange and the error have keys of their
-# own, and `messages` is the conversation that the line's turns hold token by token.
-NOT_TRACED = ("judge", "error", "messages")
-
-
-def trace_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
-    """What a trace line keeps of a sample's metadata: what names its task (a data source's
-    fields: `task_index`, `task_split`, reasoning-gym's `entry`, ...) and what the agent and the
-    judge recorded (`verifiers`, `metrics`, `predicted`, ...), as JSON types."""
-    return {str(k): jsonable(v) for k, v in metadata.items() if k not in NOT_TRACED}
-
-
-def jsonable(value: Any) -> Any:
-    """`value` as JSON types: mappings and sequences walked, a numpy scalar as its number, any
-    other value not JSON as its repr."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if getattr(value, "shape", None) == () and hasattr(value, "item"):  # a numpy scalar
-        return jsonable(value.item())
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return repr(value)
 
 
 def stitch_routing(before: Any, after: Any) -> Any:
@@ -225,20 +170,32 @@ class TokenTrace:
         self.loss_mask += [int(generation is not None)] * len(ids)
         self.logprobs += generation.logprobs if generation is not None else [0.0] * len(ids)
         self.versions += generation.versions if generation is not None else [-1] * len(ids)
-        self.turns.append({"role": role, "text": text, "span": [start, len(self.tokens)],
-                           "mask": int(generation is not None)})
+        turn = {"role": role, "text": text, "span": [start, len(self.tokens)],
+                "mask": int(generation is not None)}
+        if generation is not None and generation.mixed_from is not None:  # across an in-flight update
+            turn |= {"mixed_from": start + generation.mixed_from,
+                     "context_version": generation.context_version}
+        self.turns.append(turn)
         if generation is not None and generation.routed_experts is not None:
             self.routed_experts = stitch_routing(self.routed_experts, generation.routed_experts)
 
     def model_sampled(self) -> list[int]:
-        """Per token 1, or 0 in a turn whose request reshaped the distribution (`reshapes`):
-        where the engine's logprob is the model's own, for the weight-sync check to compare."""
+        """Per token 1, or 0 in a turn whose request reshaped the distribution (`reshapes`) and
+        from a turn's `mixed_from` on (tokens of newer weights over KV older ones wrote, after an
+        in-flight update): where the engine's logprob is one version's own, for the weight-sync
+        check to compare."""
         out = [1] * len(self.tokens)
         for turn in self.turns:
+            start, end = turn["span"]
             if reshapes(turn.get("sampling", {})):
-                start, end = turn["span"]
                 out[start:end] = [0] * (end - start)
+            elif "mixed_from" in turn:
+                out[turn["mixed_from"]:end] = [0] * (end - turn["mixed_from"])
         return out
+
+    def mixed_tokens(self) -> int:
+        """Tokens whose context holds KV written by older weights than their own (`mixed_from`)."""
+        return sum(t["span"][1] - t["mixed_from"] for t in self.turns if "mixed_from" in t)
 
     def copy(self) -> TokenTrace:
         """Copies of the lists (cheap); the turn records and routing arrays are never mutated
@@ -298,7 +255,10 @@ class Sample:
 
     @property
     def oldest_version(self) -> int:
+        """The oldest policy version among the trained tokens and the KV they attended to (a
+        turn's `context_version`, where an in-flight update mixed them)."""
         policy = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        policy += [t["context_version"] for t in self.turns if t.get("mask") and "context_version" in t]
         return min(policy) if policy else -1
 
     @property

@@ -54,6 +54,7 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     and that the check compared tokens after it (SyncUnchecked). A sync longer than
     `sync_timeout_s` raises SyncHung."""
     t0, busy0, tokens0 = time.time(), engine.busy.busy_s, engine.busy.tokens
+    again0 = engine.busy.prefilled_again
     batch = await scheduler.produce_batch(data, agent, version)
     to_compare = check_versions(batch, version, scheduler.max_staleness)
     t1 = time.time()
@@ -67,6 +68,7 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     t3 = time.time()
     busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0
     metrics = rollout_metrics(batch, version) | train_metrics
+    metrics["rollout/prefilled_again_tokens"] = float(engine.busy.prefilled_again - again0)
     metrics |= engine.pop_replica_metrics()  # a pool's per replica (cluster=ray)
     if busy > 0.01:  # generation speed while the engine had work (this step's window)
         metrics["throughput/rollout_tokens_per_s"] = generated / busy

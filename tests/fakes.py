@@ -52,7 +52,10 @@ class ScriptedEngine(RolloutEngine):
 class TimedEngine(RolloutEngine):
     """A RolloutEngine for scheduler tests: one token every `token_s` seconds, response
     lengths long-tailed (fixed by the request seed), pause/resume like the vLLM engine:
-    interrupt=True cuts generations short and continues them under the new version."""
+    abort cuts generations short and continues them under the new version, keep freezes them
+    until `resume` (their later tokens the new version's, mixed), wait lets them finish."""
+
+    update_modes = ("keep", "abort", "wait")
 
     def __init__(self, token_s: float = 0.001, max_tokens: int = 64, mean_len: float = 8.0):
         self.token_s = token_s
@@ -64,6 +67,8 @@ class TimedEngine(RolloutEngine):
         self._running = asyncio.Event()
         self._running.set()
         self._interrupts = 0
+        self._thawed = asyncio.Event()  # cleared while a keep pause freezes the generations
+        self._thawed.set()
         self.updates_while_generating = 0
 
     def length(self, seed) -> int:
@@ -74,15 +79,19 @@ class TimedEngine(RolloutEngine):
         n = min(self.length(sampling.seed), sampling.max_tokens)
         ids: list[int] = []
         versions: list[int] = []
+        mixed: tuple[int, int] | None = None
         while len(ids) < n:
             await self._running.wait()
-            interrupts = self._interrupts
+            interrupts, sent_at = self._interrupts, self.version
             self.busy.enter()
             try:
                 while len(ids) < n and interrupts == self._interrupts:
                     await asyncio.sleep(self.token_s)
+                    await self._thawed.wait()
                     if interrupts != self._interrupts:
                         break  # cut short: this token was never produced
+                    if mixed is None and self.version != sent_at:
+                        mixed = (len(ids), sent_at)
                     ids.append(7)
                     versions.append(self.version)
                     count_generated(1)
@@ -90,16 +99,21 @@ class TimedEngine(RolloutEngine):
             finally:
                 self.busy.exit()
         finish = "stop" if n < sampling.max_tokens else "length"
-        return Generation(ids, [-0.5] * len(ids), finish, versions)
+        return Generation(ids, [-0.5] * len(ids), finish, versions,
+                          mixed_from=mixed and mixed[0], context_version=mixed and mixed[1])
 
-    async def pause(self, interrupt: bool) -> None:
+    async def pause(self, mode: str) -> None:
         self._running.clear()
-        if interrupt:
+        if mode == "keep":
+            self._thawed.clear()
+            return
+        if mode == "abort":
             self._interrupts += 1
         while self.busy.active:
             await asyncio.sleep(self.token_s / 4)
 
     async def resume(self) -> None:
+        self._thawed.set()
         self._running.set()
 
     async def load_weights(self, directory, version: int) -> None:

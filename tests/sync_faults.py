@@ -17,10 +17,13 @@ trainer's under mixed weights:
   MoE repack (rlexp/weights/vllm_private.py): scrambled experts, also for unchanged weights.
   vLLM can run no test code in its worker process, so the repack is skipped by taking vLLM's
   path, not by patching rlexp's.
-- `caches_kept`: the reload without `VLLMEngine.weights_loaded`'s cache resets; a prompt seen
-  before the push reuses KV computed by the old weights (prompts longer than one KV block, 128
-  tokens on the CPU, are cached). A vision-language model's image encoder cache kept is no
-  silent fault: the next request with a seen image kills the engine ("Encoder cache miss").
+- `kv_reused`: the reload and the new version announced, without `VLLMEngine.weights_loaded`'s
+  cache reset, and the requests' prefix-cache salt stuck at the old version (a salt that never
+  moves): a prompt seen before the push reuses KV computed by the old weights (prompts longer
+  than one KV block, 128 tokens on the CPU, are cached). Either protection alone is enough:
+  the reset where no request holds KV, the salt always (tests/test_engines_interrupted.py). A
+  vision-language model's image encoder cache kept is no silent fault: the next request with
+  a seen image kills the engine ("Encoder cache miss").
 - `nothing_sent`: a transport that returns without writing (tests.fakes.StopsSending): the
   engine reloads the last sync's file and announces the new version.
 - `rounded_to_bfloat16`: a float32 run whose weights are cast to bfloat16 on the way."""
@@ -37,6 +40,7 @@ import torch
 
 from rlexp.chat.render import render_prompt
 from rlexp.errors import SyncMismatch
+from rlexp.rollout import vllm_engine
 from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
 from rlexp.trainer.lora import merged_weights
 from rlexp.trainer.sync_check import AUTO_BOUNDS, SyncCheck
@@ -80,13 +84,18 @@ async def nothing_sent(trainer, engine, last: StopsSending, version: int) -> Non
     await last.transfer(trainer.weights(), engine, version)
 
 
-async def caches_kept(trainer, engine, last, version: int) -> None:
-    """rlexp's reload of the pushed weights, then the version announced, no cache reset."""
+async def kv_reused(trainer, engine, last, version: int) -> None:
+    """rlexp's reload of the pushed weights, then `version` announced (the engine's and vLLM's
+    token labels) with no cache reset, and every later request salted as the version before
+    (`plant` puts the salt back)."""
+    stuck = vllm_engine.cache_salt(engine.version)
     transport = RamFileTransport()
     try:
         transport.file.write(trainer.weights())
         await engine.llm.collective_rpc("load_shared_weights", args=(str(transport.directory),))
+        await engine.llm.update_weight_version(str(version))
         engine.version = version
+        vllm_engine.cache_salt = lambda version: stuck
     finally:
         transport.close()
 
@@ -141,6 +150,7 @@ def plant(fault: Fault, trainer, engine, run, prompts: list[list[int]], temperat
     the same prompts and the fit. The engine gets the trainer's first weights back (version 0,
     caches reset) however it ends."""
     start = [(n, t.detach().clone()) for n, t in trainer.weights()]
+    salt = vllm_engine.cache_salt
     first = StopsSending(sends=1)
     try:
         run(first.transfer(trainer.weights(), engine, 0))
@@ -158,6 +168,7 @@ def plant(fault: Fault, trainer, engine, run, prompts: list[list[int]], temperat
         return Outcome(healthy, versions, error, went_on)
     finally:
         first.close()
+        vllm_engine.cache_salt = salt
         run(_push(start, engine, 0))
 
 

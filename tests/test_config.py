@@ -124,6 +124,9 @@ BAD_OVERRIDES = [
     ("checkpoint.every_n_steps=-1", "checkpoint.every_n_steps must be >= 0"),
     ("loop=lowlevel", "loop must be one of fit, low_level; got 'lowlevel'"),
     ("judge=llm rollout=hf", "judge.judges.grader grades on the policy's engine with its reply constrained"),
+    ("scheduler=async scheduler.update_mode=keep rollout=hf",
+     "scheduler.update_mode=keep: rollout._target_=rlexp.rollout.hf_engine.HFEngine can do abort or wait"),
+    ("scheduler=async scheduler.update_mode=pause", "scheduler.update_mode must be one of"),
     ("loop=low_level cluster=ray trainer.workers=2", "loop=low_level calls the trainer in this process: it "
      "needs trainer.workers=1, got 2"),
 ]

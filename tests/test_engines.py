@@ -107,12 +107,12 @@ def test_a_groups_requests_go_out_as_one_and_each_sample_gets_its_own_requests_t
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("fault", [sync_faults.lm_head_left_out, sync_faults.caches_kept,
+@pytest.mark.parametrize("fault", [sync_faults.lm_head_left_out, sync_faults.kv_reused,
                                    sync_faults.nothing_sent, sync_faults.rounded_to_bfloat16],
                          ids=lambda f: f.__name__)
 def test_a_faulty_weight_sync_stops_the_next_fit(tiny_vllm, tiny_model_path, tokenizer, fault):
     """A real update, then a push that returns success but leaves the engine serving other
-    numbers (tests/sync_faults.py: a tied lm_head left out, the prefix cache not reset after
+    numbers (tests/sync_faults.py: a tied lm_head left out, the old weights' KV reused after
     the reload, a transport that sent nothing, a float32 run's weights cast to bfloat16 on the
     way): the next fit, on a batch the engine generated at the new version, stops with
     SyncMismatch; with the check off the run would have gone on."""

@@ -1,7 +1,8 @@
-"""A vLLM engine's requests cut short, each test on an engine of its own: a pause mid-generation
-for new weights, after which the partial rollouts go on and each token keeps the version that
-produced it; a call in flight when the engine process dies, which raises EngineDead instead
-of waiting forever."""
+"""A vLLM engine's requests across a weight update, each test on an engine of its own: a pause
+mid-generation (abort: cut short and sent again; keep: frozen with their KV cache) for new
+weights, after which the generations go on and each token keeps the version that produced it;
+a request sent after a keep update, which never reuses the KV the old weights wrote; a call in
+flight when the engine process dies, which raises EngineDead instead of waiting forever."""
 
 import asyncio
 from pathlib import Path
@@ -10,9 +11,13 @@ import psutil
 import pytest
 import torch
 
-from rlexp.errors import EngineDead
+from rlexp.chat.render import render_prompt
+from rlexp.errors import EngineDead, SyncMismatch
+from rlexp.rollout.vllm_engine import cache_salt
 from rlexp.sample import SamplingConfig
+from rlexp.weights.ram_file import RamFileTransport
 from tests.engine_helpers import (
+    ENGINE_KW,
     TEMPERATURE,
     _as_samples,
     _prompts,
@@ -44,17 +49,36 @@ def _mid_generation(engine, n: int, tokens: int) -> asyncio.Event:
     return event
 
 
-@pytest.mark.vllm
-def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_model_path, tokenizer):
-    """pause(interrupt=True) mid-generation, new weights, resume: generations continue; the
-    tokens tagged with version 0 match the old weights' logprobs, version 1 the new ones.
-    Each prompt's 4 samples went out as one request (vLLM's n).
-    The tiny model answers in 2-3 tokens, too few to interrupt reliably: version 0 is the
-    model with its weights scrambled, which rambles on for up to 200 tokens."""
-    trainer = _trainer(tiny_model_path)
+def _scrambled_trainer(path):
+    """The tiny model answers in 2-3 tokens, too few to pause mid-generation reliably: its
+    weights scrambled, it rambles on for up to 200 tokens."""
+    trainer = _trainer(path)
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
+    return trainer
+
+
+async def _new_weights(trainer, engine, mode: str) -> None:
+    """The loop's update under `mode`: pause, move the weights, publish version 1, resume."""
+    await engine.pause(mode)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    await _publish(trainer, engine, version=1)
+    await engine.resume()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_vllm_tokens_across_an_update_keep_the_version_that_produced_them(tiny_model_path, tokenizer, mode):
+    """A pause mid-generation, new weights, resume: generations continue; the tokens tagged with
+    version 0 match the old weights' logprobs. abort: each cut-short request is sent again (its
+    prompt and tokens prefilled under the new weights), and the tokens tagged 1 match the new
+    weights' logprobs. keep: nothing is sent again; the tokens tagged 1 are the new weights'
+    over KV the old ones wrote, marked mixed from the first of them. Each prompt's 4 samples
+    went out as one request (vLLM's n)."""
+    trainer = _scrambled_trainer(tiny_model_path)
     old_state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     prompts = [p for p in _prompts(tokenizer) for _ in range(4)]  # groups of 4: one request each
 
@@ -66,33 +90,123 @@ def test_vllm_partial_rollout_tokens_keep_the_version_that_produced_them(tiny_mo
                 for i, p in enumerate(prompts)]
         # (if every request ends first, nothing is mixed below and the test fails there)
         await asyncio.wait([running_on, asyncio.gather(*reqs)], return_when=asyncio.FIRST_COMPLETED)
-        await engine.pause(interrupt=True)
-        with torch.no_grad():
-            for p in trainer.model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        await _publish(trainer, engine, version=1)
-        await engine.resume()
+        await _new_weights(trainer, engine, mode)
         return sent, await asyncio.gather(*reqs)
 
     sent, gens = _run_vllm(tiny_model_path, tokenizer, check)
-    assert sent[:3] == [4, 4, 4]  # then the interrupted ones, each on its own
+    # abort: then the interrupted ones, each on its own; keep: none again
+    assert sent[:3] == [4, 4, 4] and (len(sent) > 3) == (mode == "abort")
     assert all(len(g.token_ids) == len(g.logprobs) == len(g.versions) for g in gens)
-    mixed = [(p, g) for p, g in zip(prompts, gens) if g.versions[0] == 0 and g.versions[-1] == 1]
-    assert mixed, [(len(g.token_ids), set(g.versions)) for g in gens]
+    across = [(p, g) for p, g in zip(prompts, gens) if g.versions[0] == 0 and g.versions[-1] == 1]
+    assert across, [(len(g.token_ids), set(g.versions)) for g in gens]
     assert all(g.versions == sorted(g.versions) for g in gens)
-    samples = _as_samples([p for p, _ in mixed], [g for _, g in mixed])
+    for _, g in across:
+        first_new = g.versions.index(1)
+        assert (g.mixed_from, g.context_version) == ((first_new, 0) if mode == "keep" else (None, None))
+    samples = _as_samples([p for p, _ in across], [g for _, g in across])
     new_lp = trainer.sample_logprobs(samples)
     trainer.model.load_state_dict(old_state)
     old_lp = trainer.sample_logprobs(samples)
     apart = 0.0  # how far the old weights' logprobs are from those of the tokens tagged 1
-    for (p, g), new, old in zip(mixed, new_lp, old_lp):
+    for (p, g), new, old in zip(across, new_lp, old_lp):
         v = torch.tensor(g.versions)
         got = torch.tensor(g.logprobs)
         assert (got[v == 0] - old[len(p):][v == 0]).abs().max() < SCRAMBLED_TOL
-        assert (got[v == 1] - new[len(p):][v == 1]).abs().max() < SCRAMBLED_TOL
+        if mode == "abort":
+            assert (got[v == 1] - new[len(p):][v == 1]).abs().max() < SCRAMBLED_TOL
         apart = max(apart, (got[v == 1] - old[len(p):][v == 1]).abs().max().item())
     print(f"the old weights' logprobs of the tokens tagged 1: up to {apart:.3g} off")
     assert apart > 10 * SCRAMBLED_TOL  # versions are told apart
+
+
+@pytest.mark.vllm
+def test_a_request_sent_after_a_keep_update_reuses_no_kv_of_the_old_weights(tiny_model_path, tokenizer):
+    """A long prompt's KV, cached by a request at version 0 that the keep update froze (so no
+    reset can drop it), is reachable after the update by a request salted as version 0 (vLLM's
+    `num_cached_tokens`), never by the engine's next request: that one's logprobs are the new
+    weights' (the trainer's, to the kernels' tolerance), not mixed."""
+    from vllm import SamplingParams
+
+    trainer = _scrambled_trainer(tiny_model_path)
+    long_prompt = render_prompt(tokenizer, [{"role": "user", "content": "12+3=" * 28}])
+
+    async def cached_tokens(engine, salt: str) -> int:
+        params = SamplingParams(max_tokens=1, temperature=0)
+        async for out in engine.llm.generate({"prompt_token_ids": long_prompt, "cache_salt": salt},
+                                             params, request_id=f"probe-{salt}"):
+            final = out
+        return final.num_cached_tokens
+
+    async def check(engine):
+        block = engine.llm.vllm_config.cache_config.block_size
+        assert len(long_prompt) >= block, (len(long_prompt), block)  # a whole block to cache
+        await _publish(trainer, engine, version=0)
+        running_on = asyncio.create_task(_mid_generation(engine, 1, tokens=8).wait())
+        rest = ENGINE_KW["max_model_len"] - len(long_prompt)  # rambling on to the end
+        sampling = SamplingConfig(TEMPERATURE, 1.0, rest, seed=1)
+        old = asyncio.create_task(engine.generate(long_prompt, sampling))
+        await asyncio.wait([running_on, old], return_when=asyncio.FIRST_COMPLETED)
+        assert not old.done()
+        await _new_weights(trainer, engine, "keep")
+        new = await engine.generate(long_prompt, SamplingConfig(TEMPERATURE, 1.0, 8, seed=2))
+        return await cached_tokens(engine, cache_salt(0)), new, await old
+
+    reachable, new, old = _run_vllm(tiny_model_path, tokenizer, check)
+    assert reachable > 0  # the old weights' KV of the prompt was there to reuse
+    assert set(new.versions) == {1} and new.mixed_from is None
+    assert old.versions[0] == 0 and old.mixed_from is not None  # it went on over its old KV
+    (lp,) = trainer.sample_logprobs(_as_samples([long_prompt], [new]))
+    assert (torch.tensor(new.logprobs) - lp[len(long_prompt):]).abs().max() < SCRAMBLED_TOL
+
+
+def _graded(samples):
+    """Groups of two with rewards 0 and 1: every sample carries a training signal."""
+    for i, s in enumerate(samples):
+        s.group_id, s.reward = i // 2, float(i % 2)
+    return samples
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("push", ["correct", "not_landed"])
+def test_the_sync_check_skips_mixed_tokens_and_catches_a_bad_keep_update(tiny_model_path, tokenizer, push):
+    """A keep update mid-generation, then a batch of the generations that crossed it (tokens of
+    version 0, then mixed ones of version 1) and of requests sent after it. A correct push: the
+    fit's sync check compares only the tokens of the requests sent after it and passes. A push
+    that did not land (the old weights announced as version 1): it stops the fit."""
+    trainer = _scrambled_trainer(tiny_model_path)
+    old_weights = [(n, t.detach().clone()) for n, t in trainer.weights()]
+    prompts = _prompts(tokenizer)
+
+    async def check(engine):
+        await _publish(trainer, engine, version=0)
+        running_on = asyncio.create_task(_mid_generation(engine, 1, tokens=8).wait())
+        crossing = [asyncio.create_task(engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 120, seed=i)))
+                    for i, p in enumerate(prompts)]
+        await asyncio.wait([running_on, asyncio.gather(*crossing)], return_when=asyncio.FIRST_COMPLETED)
+        await engine.pause("keep")
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        transport = RamFileTransport()
+        try:
+            await transport.transfer(trainer.weights() if push == "correct" else iter(old_weights), engine, 1)
+        finally:
+            transport.close()
+        await engine.resume()
+        after = [engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 8, seed=10 + i))
+                 for i, p in enumerate(prompts)]
+        return await asyncio.gather(*crossing), await asyncio.gather(*after)
+
+    crossed, after = _run_vllm(tiny_model_path, tokenizer, check)
+    assert any(g.mixed_from is not None for g in crossed)
+    batch = _graded(_as_samples(prompts + prompts, crossed + after))
+    if push == "not_landed":
+        with pytest.raises(SyncMismatch, match="policy version 1 did not land"):
+            trainer.fit(batch, 1)
+        return
+    metrics = trainer.fit(batch, 1)  # the mixed tokens, version 1's own, are no single version's
+    assert 0 < metrics["sync/tokens"] <= sum(len(g.token_ids) for g in after)
+    assert metrics["sync/logprob_diff_p99"] < SCRAMBLED_TOL
 
 
 @pytest.mark.vllm

@@ -55,9 +55,9 @@ class FakeReplica:
         self._check()
         return "node", os.getpid(), self.version
 
-    async def _pause(self, interrupt):
+    async def _pause(self, mode):
         self._check()
-        self.paused = interrupt
+        self.paused = mode
 
     async def _resume(self):
         self._check()
@@ -130,12 +130,12 @@ def test_a_lost_replica_is_retried_elsewhere_then_restarted_with_the_current_wei
         gens = await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(4)))
         assert {g.token_ids[0] for g in gens} == {1}  # all served by the live replica
         assert pool._healthy == [False, True]
-        await pool.pause(interrupt=True)  # fan-outs skip it meanwhile
+        await pool.pause("abort")  # fan-outs skip it meanwhile
         a.version, a.dead = 0, False  # back, with the model path's weights
         await asyncio.wait(list(pool._recovering.values()))
         assert pool._healthy == [True, True] and pool.restarts == [1, 0]
         assert a.version == 4 and a.loads == [4, 4]  # caught up with the pool
-        assert a.paused is True  # and joined the pause in effect
+        assert a.paused == "abort"  # and joined the pause in effect
         await pool.resume()
         assert a.paused is None and b.paused is None
 

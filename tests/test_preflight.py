@@ -16,8 +16,8 @@ from rlexp.chat.render import encode, render_prompt
 from rlexp.config import _signature, validate
 from rlexp.data.file_sources import JsonlSource
 from rlexp.errors import ConfigError
+from rlexp.messages import split_images
 from rlexp.preflight import ImageTokens, LightTokenizer, preflight
-from rlexp.sample import split_images
 from rlexp.signatures import static_signature
 from tests.test_config import BAD_OVERRIDES, CONF, _compose
 

@@ -131,7 +131,7 @@ def test_every_attribute_of_the_protocol_is_set(impl, protocol):
 
 def test_the_protocols_with_attributes_are_checked_for_them():
     assert _attributes(P.RolloutEngine) == {"version", "sampling", "max_model_len", "busy", "takes_images",
-                                            "constrains_replies"}
+                                            "constrains_replies", "update_modes"}
     assert _attributes(W.WeightTransport) == {"engine_backend", "sends_from_driver"}
     assert _attributes(Cluster) == {"name", "multi_node", "placement", "trainer_workers", "distributed"}
     assert _attributes(PromptSource) == {"commit"} and _attributes(P.Tool) == {"spec", "reads_images"}
@@ -172,7 +172,8 @@ def test_the_checks_catch_a_component_that_does_not_fit():
             self.version, self.sampling = 0, None  # no max_model_len, no busy
 
     test_every_attribute_of_the_protocol_is_set(Engine, W.WeightTransport)
-    with pytest.raises(AssertionError, match="max_model_len|busy|takes_images|constrains_replies"):
+    unset = "max_model_len|busy|takes_images|constrains_replies|update_modes"
+    with pytest.raises(AssertionError, match=unset):
         test_every_attribute_of_the_protocol_is_set(Engine, P.RolloutEngine)
 
 

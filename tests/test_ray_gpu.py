@@ -252,7 +252,7 @@ async def _sync_restart_sync(pool, transport, trainer, initial, tokenizer):
         await pool.sleep()  # the loop's order: the trainer trains while vLLM sleeps (colocate)
         _perturb(trainer)
         await pool.wake_up()
-        await pool.pause(interrupt=False)
+        await pool.pause("wait")
         await transport.transfer(trainer.weights(), pool, version)
         await pool.resume()
         gens = await generate()

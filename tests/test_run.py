@@ -121,19 +121,20 @@ def test_async_with_staleness_zero_reproduces_sync(tmp_path, run_models, new_sto
 @pytest.mark.vllm
 def test_async_run_stays_within_the_staleness_bound(tmp_path, run_models, new_store):
     client, run, _ = _run_and_open(new_store(tmp_path), run_models, "scheduler=async",
-                                   "scheduler.staleness_threshold=2", "policy_loss=decoupled",
-                                   "mismatch=icepop")
+                                   "scheduler.staleness_threshold=2", "scheduler.update_mode=keep",
+                                   "policy_loss=decoupled", "mismatch=icepop")
     _check_mlflow(client, run, trace_version=None)
     params = run.data.params  # the algorithm's choices, for the compare view
     assert (params["algorithm.policy_loss"], params["algorithm.mismatch"], params["algorithm.advantage"]) == \
         ("decoupled", "icepop", "grpo")
     assert params["trainer.mismatch._target_"] == "rlexp.algorithms.mismatch.IcePop"
+    assert _history(client, run, "rollout/prefilled_again_tokens") == [0.0] * 3  # keep: none sent again
     stale = _history(client, run, "rollout/staleness_max")
     assert max(stale) <= 2 and max(stale) >= 1  # ran ahead of the trainer, never past the bound
     for key in ("rollout/engine_idle_frac", "train/idle_frac", "rollout/untrained_tokens",
                 "samples/expired", "samples/filtered", "samples/resumed", "train/is_weight_mean",
-                "train/masked_token_frac",
-                "offpolicy/ratio_mean/staleness_0"):
+                "train/masked_token_frac", "rollout/mixed_tokens", "rollout/update_pause_s",
+                "rollout/prefilled_again_tokens", "offpolicy/ratio_mean/staleness_0"):
         assert key in run.data.metrics, key
     for step in (1, 2, 3):
         trained = _history(client, run, "train/loss")

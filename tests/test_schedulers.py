@@ -1,5 +1,5 @@
 """Scheduler orchestration with a timed fake engine and a fake trainer: the staleness bound,
-admission control, partial rollout, tail batches, filtering. (The real engine's partial
+admission control, the update modes (keep, abort, wait), tail batches, filtering. (The real engine's partial
 rollout and sync/async parity with real vLLM are tested in test_engines_interrupted.py / test_run.py.)"""
 
 import asyncio
@@ -98,10 +98,10 @@ def _staleness(trainer):
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
-@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
 @pytest.mark.parametrize("slow", ["trainer", "rollout"])
-def test_no_trained_sample_exceeds_the_staleness_bound(eta, partial, slow):
-    sched = AsyncScheduler(staleness_threshold=eta, enable_partial_rollout=partial)
+def test_no_trained_sample_exceeds_the_staleness_bound(eta, mode, slow):
+    sched = AsyncScheduler(staleness_threshold=eta, update_mode=mode)
 
     def rollout_caught_up():  # every group admission control allows has finished
         return not sched._running and sched._launched == (sched._version + eta + 1) * 4
@@ -141,8 +141,8 @@ def test_admission_control_stops_launching_at_the_bound():
     assert asyncio.run(main()) == 3 * 4  # (version 0 + eta 2 + 1) batches of 4 groups
 
 
-def test_partial_rollout_continues_generations_under_the_new_version():
-    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=True)
+def test_abort_continues_generations_under_the_new_version():
+    sched = AsyncScheduler(staleness_threshold=2, update_mode="abort")
     trainer, engine, metrics = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002,
                                                   mean_len=30, max_tokens=120))
     resumed = [s for b in trainer.batches for s in b if len(set(s.versions[3:])) > 1]
@@ -150,17 +150,40 @@ def test_partial_rollout_continues_generations_under_the_new_version():
     for s in resumed:  # versions never go back, and each token keeps the one that produced it
         assert s.versions[3:] == sorted(s.versions[3:])
     assert engine.updates_while_generating == 0  # weights never changed under a running request
+    assert sum(m["rollout/mixed_tokens"] for m in metrics) == 0  # each piece prefilled again
 
 
-def test_without_partial_rollout_the_update_waits_for_running_generations():
-    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=False)
+def test_keep_updates_weights_under_frozen_generations_and_marks_their_mixed_tokens():
+    sched = AsyncScheduler(staleness_threshold=2, update_mode="keep")
+    trainer, engine, metrics = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002,
+                                                  mean_len=30, max_tokens=120))
+    assert engine._interrupts == 0 and engine.updates_while_generating > 0  # nothing cut short
+    done = [s for b in trainer.batches for s in b if s.status == Status.COMPLETED]
+    assert sum(m["samples/resumed"] for m in metrics) == sum(len(set(s.versions[3:])) > 1 for s in done) > 0
+    mixed = 0
+    for s in done:
+        (turn,) = [t for t in s.turns if t["mask"]]
+        if "mixed_from" not in turn:  # sent and finished at one version
+            assert len(set(s.versions[3:])) == 1 and s.trace.model_sampled() == [1] * len(s.tokens)
+            continue
+        context = turn["context_version"]  # the version the request was sent at
+        first_newer = 3 + next(i for i, v in enumerate(s.versions[3:]) if v != context)
+        assert turn["mixed_from"] == first_newer and min(s.versions[first_newer:]) > context
+        assert s.trace.model_sampled() == [1] * first_newer + [0] * (len(s.tokens) - first_newer)
+        assert s.oldest_version == context
+        mixed += len(s.tokens) - first_newer
+    assert sum(m["rollout/mixed_tokens"] for m in metrics) == mixed > 0
+
+
+def test_wait_lets_running_generations_finish_before_the_update():
+    sched = AsyncScheduler(staleness_threshold=2, update_mode="wait")
     trainer, *_ = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002, mean_len=30,
                                      max_tokens=120))
     assert all(len(set(s.versions[3:])) == 1 for b in trainer.batches for s in b)
 
 
 def test_tail_batch_sets_long_groups_aside_and_trains_them_later():
-    sched = AsyncScheduler(staleness_threshold=2, enable_partial_rollout=True,
+    sched = AsyncScheduler(staleness_threshold=2, update_mode="abort",
                            tail_batch_candidate_step=1, tail_batch_trigger_size=2)
     trainer, engine, metrics = asyncio.run(_train(sched, steps=16, fit_s=0.02, token_s=0.001,
                                                   mean_len=12, max_tokens=200))

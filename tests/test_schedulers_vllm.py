@@ -223,7 +223,7 @@ def test_a_long_running_group_is_set_aside_and_trained_first_in_a_tail_batch(vll
     (ABORTED, its requests cancelled in vLLM), re-rolled under the new policy, and trained at
     the head of the next batch, once."""
     groups, per_prompt, steps = 2, 2, 3
-    sched = AsyncScheduler(staleness_threshold=1, enable_partial_rollout=True,
+    sched = AsyncScheduler(staleness_threshold=1, update_mode="abort",
                            tail_batch_candidate_step=1, tail_batch_trigger_size=1)
     agent = RecordingAgent(vllm.engine, tokenizer, per_prompt, hold={0})
     data = DrawnData(groups, per_prompt)

@@ -18,7 +18,7 @@ from typing import Any
 from rlexp.chat.render import render_prompt_text
 from rlexp.data.images import load_images
 from rlexp.errors import SessionError
-from rlexp.sample import split_images
+from rlexp.messages import split_images
 
 PIXEL_KEYS = ("pixel_values", "pixel_attention_mask")
 

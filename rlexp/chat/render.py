@@ -8,7 +8,7 @@ from typing import Any
 
 from rlexp.chat.tool_prompt import ToolPath, with_tools_in_system
 from rlexp.errors import SessionError
-from rlexp.sample import as_parts
+from rlexp.messages import as_parts
 
 
 def encode(tokenizer, text: str) -> list[int]:

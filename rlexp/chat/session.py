@@ -25,7 +25,8 @@ from rlexp.chat.images import ImagePrompts, image_key
 from rlexp.chat.render import encode, render_chat
 from rlexp.chat.tool_prompt import ToolPath
 from rlexp.errors import SessionError
-from rlexp.sample import Generation, Sample, Status, TokenTrace, split_images
+from rlexp.messages import split_images
+from rlexp.sample import Generation, Sample, Status, TokenTrace
 
 PrefixBreak = Literal["split", "restart"]
 

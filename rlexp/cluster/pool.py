@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlexp.cluster.replica_calls import ReplicaTimeout, answer, first_line, is_lost, restarted
+from rlexp.constraints import UpdateMode
 from rlexp.errors import EngineDead
 from rlexp.protocols import RolloutEngine
 from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
@@ -47,6 +48,8 @@ class RolloutPool(RolloutEngine):
     load); `restart_timeout_s`: how long a lost replica may take to come back. `room(node)`:
     why a replica lost with `node` cannot come back now (replica.no_room), or None. A reply
     comes back from its replica whole: `generate_streaming` is the Protocol's default."""
+
+    update_modes: tuple[str, ...] = ("keep", "abort", "wait")  # its replicas' (VLLMEngine's)
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
@@ -71,7 +74,7 @@ class RolloutPool(RolloutEngine):
         self._sticky: dict[int, int] = {}  # id(conversation) -> its replica
         self._running = asyncio.Event()
         self._running.set()
-        self._paused_with: bool | None = None  # the interrupt mode of the pause now in effect
+        self._paused_with: UpdateMode | None = None  # the mode of the pause now in effect
         self._sleeping = False
         self._update = asyncio.Lock()  # one weight update (or a replica's catch-up) at a time
         # How the current weights were loaded: a restarted replica runs it too
@@ -233,10 +236,10 @@ class RolloutPool(RolloutEngine):
                                  "(cluster.call_timeout_s)") from None
 
     # ---- the Protocol's fan-outs -------------------------------------------------------
-    async def pause(self, interrupt: bool) -> None:
+    async def pause(self, mode: UpdateMode) -> None:
         self._running.clear()
-        self._paused_with = interrupt
-        await self._fan_out(lambda a: a.pause.remote(interrupt))
+        self._paused_with = mode
+        await self._fan_out(lambda a: a.pause.remote(mode))
 
     async def resume(self) -> None:
         self._paused_with = None

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlexp.constraints import UpdateMode
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.weights.object_store import ObjectStoreReceiver
 
@@ -32,8 +33,8 @@ class EngineReplica:
                        images: list | None = None) -> Generation:
         return await self.engine.generate(token_ids, sampling, images)
 
-    async def pause(self, interrupt: bool) -> None:
-        await self.engine.pause(interrupt)
+    async def pause(self, mode: UpdateMode) -> None:
+        await self.engine.pause(mode)
 
     async def resume(self) -> None:
         await self.engine.resume()

@@ -29,8 +29,8 @@ from typing import Any
 
 from rlexp.data.images import zoom, zoom_caption
 from rlexp.data.sources import Problem
+from rlexp.messages import as_parts, split_images
 from rlexp.models.arch import FORMAT_VERSION, TEMPLATE_DIR, build_arch_model, cached_build
-from rlexp.sample import as_parts, split_images
 
 log = logging.getLogger(__name__)
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")

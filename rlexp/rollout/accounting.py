@@ -26,10 +26,12 @@ def count_generated(n: int) -> None:
 
 class BusyMeter:
     """Seconds during which at least one request was being generated (engine busy time),
-    and the tokens generated (the engine adds them)."""
+    the tokens generated and the tokens prefilled again (a completion's prompt and tokens so
+    far, sent again after a pause cut it short: update_mode=abort); the engine adds them."""
 
     def __init__(self):
         self.tokens = 0
+        self.prefilled_again = 0
         self.active = 0
         self._busy = 0.0
         self._since = 0.0

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
+from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP, UpdateMode
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.sample import Generation, SamplingConfig
@@ -21,6 +21,7 @@ from rlexp.weights.files import WEIGHTS_FILE, read_shared
 
 class HFEngine:
     takes_images = False
+    update_modes: tuple[str, ...] = ("abort", "wait")  # abort waits (see `pause`)
     constrains_replies = False  # a `SamplingConfig.constraint` is not applied
 
     def __init__(
@@ -143,9 +144,9 @@ class HFEngine:
             self.model.load_state_dict(dict(read_shared(directory / WEIGHTS_FILE)))
             self.version = version
 
-    async def pause(self, interrupt: bool) -> None:
-        """Waits for the batch being generated: `generate` cannot be cut short, so partial
-        rollout (interrupt=True) degrades to waiting here."""
+    async def pause(self, mode: UpdateMode) -> None:
+        """Waits for the batch being generated: `generate` can neither be cut short nor frozen,
+        so "abort" degrades to waiting here (and "keep" is refused by the config check)."""
         self._running.clear()
         await self._lock.acquire()  # held while a batch generates: returns once it is done
         self._lock.release()

@@ -8,7 +8,6 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,21 +15,27 @@ import numpy as np
 import torch
 
 from rlexp import orphans
-from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP
+from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP, UpdateMode
 from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.rollout.vllm_liveness import engine_alive, watched
-from rlexp.rollout.vllm_outputs import prompt_scores, reply, report_new
+from rlexp.rollout.vllm_outputs import Segments, prompt_scores, reply, report_new
 from rlexp.rollout.vllm_sampling import groupable, sampling_params
-from rlexp.sample import Generation, PromptLogprobs, SamplingConfig, stitch_routing
+from rlexp.sample import Generation, PromptLogprobs, SamplingConfig
 from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 20.0  # for the engine process to exit by itself before vLLM kills it
+
+
+def cache_salt(version: int) -> str:
+    """A request's prefix-cache salt: the policy version it was sent at. A request never reuses
+    KV blocks that requests sent at another version wrote."""
+    return f"v{version}"
 
 
 class VLLMEngine:
@@ -40,6 +45,7 @@ class VLLMEngine:
     from a shared mapping of it (rlexp/weights/vllm_worker.py, rlexp/weights/files.py)."""
 
     takes_images = True  # a vision-language model's images (`generate(images=...)`)
+    update_modes: tuple[str, ...] = ("keep", "abort", "wait")
     constrains_replies = True  # `SamplingConfig.constraint`: regex / JSON-schema structured outputs
 
     def __init__(
@@ -82,6 +88,7 @@ class VLLMEngine:
         self._running = asyncio.Event()  # cleared while paused for a weight update
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
+        self._labelled = False  # vLLM told the version of its weights (before the first request)
         self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
         self.routing_capture = routing_capture
         self._routing_fetcher = vllm_routing.RoutingFetcher(
@@ -111,7 +118,7 @@ class VLLMEngine:
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list[Any] | None = None) -> Generation:
-        """One completion. If `pause(interrupt=True)` cuts it short, it waits for `resume` and
+        """One completion. If `pause("abort")` cuts it short, it waits for `resume` and
         continues from the tokens it has under the new weights (partial rollout); a completion
         whose distribution depends on the reply so far (a grammar, penalties) restarts instead.
         `images` (a vision-language model's; PIL images): one per image in `token_ids`, in
@@ -123,34 +130,22 @@ class VLLMEngine:
                                  images: list[Any] | None = None) -> Generation:
         """`generate`, calling `on_tokens(ids, logprobs)` with each engine step's new tokens as
         they come (a restarted completion's tokens are reported again from its start)."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        top: list[dict[int, float]] = []
-        segment = 0
-        routing = None
+        done = Segments()
         while True:
             await self._running.wait()
             interrupts = self._interrupts
-            rest = sampling if segment == 0 else replace(
-                sampling, max_tokens=sampling.max_tokens - len(ids),
-                seed=None if sampling.seed is None else hash((sampling.seed, segment)) & 0x7FFFFFFF)
-            new_ids, new_lps, new_top, finish, version, new_routing = await self._segment(
-                list(token_ids) + ids, rest, on_tokens, images)
+            rest = done.rest(sampling)
+            if done.pieces:  # the prompt and the tokens so far, prefilled again
+                self.busy.prefilled_again += len(token_ids) + len(done.ids)
+            ids, logprobs, top, finish, versions, sent_at, routing = await self._segment(
+                list(token_ids) + done.ids, rest, on_tokens, images)
             interrupted = finish == "abort" and self._interrupts != interrupts
             if interrupted and sampling.depends_on_the_reply:
-                ids, logprobs, versions, top = [], [], [], []
-                routing = new_routing
+                done = Segments(routing=routing, pieces=done.pieces + 1)  # again from its start
             else:
-                routing = stitch_routing(routing, new_routing)
-                ids += new_ids
-                logprobs += new_lps
-                versions += [version] * len(new_ids)
-                top += new_top
-            if not interrupted or len(ids) >= sampling.max_tokens:
-                return Generation(ids, logprobs, finish if not interrupted else "length", versions,
-                                  top if sampling.top_logprobs else None, routing)
-            segment += 1
+                done.add(ids, logprobs, top, versions, sent_at, routing)
+            if not interrupted or len(done.ids) >= sampling.max_tokens:
+                return done.generation("length" if interrupted else finish, sampling.top_logprobs)
 
     async def _segment(self, token_ids: list[int], sampling: SamplingConfig,
                        on_tokens: Callable[[list[int], list[float]], None] | None,
@@ -168,12 +163,13 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = sampling_params(sampling, self.unsampled)
-        prompt: TokensPrompt = {"prompt_token_ids": token_ids}
+        sent_at = self.version
+        prompt: TokensPrompt = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(sent_at)}
         if images:
             if self._placeholders is None:
                 self._placeholders = ImagePlaceholders(self.model_path)
             prompt = {"prompt_token_ids": self._placeholders.collapse(token_ids, len(images)),
-                      "multi_modal_data": {"image": list(images)}}
+                      "multi_modal_data": {"image": list(images)}, "cache_salt": cache_salt(sent_at)}
         await self._before_first_request()
         final, counted, version, reported = None, 0, self.version, 0
         request_id = f"r{next(self._ids)}"
@@ -200,9 +196,12 @@ class VLLMEngine:
                              f"({len(final.prompt_token_ids or [])} tokens, not {len(token_ids)})")
         completion = final.outputs[0]
         routing = await self._routing(request_id, completion) if self.routing_capture else None
-        return *reply(completion, sampling.top_logprobs, version), routing
+        return *reply(completion, sampling.top_logprobs, version, sent_at), routing
 
     async def _before_first_request(self) -> None:
+        if not self._labelled:  # each token's version comes back in vLLM's weight-version spans
+            self._labelled = True
+            await self._call(self.llm.update_weight_version(str(self.version)))
         if self._idle_spin_s is not None:
             spin, self._idle_spin_s = self._idle_spin_s, None
             await self._call(self.llm.collective_rpc("set_idle_spin", args=(spin,)))
@@ -214,15 +213,18 @@ class VLLMEngine:
     async def _request_n(self, token_ids: list[int], sampling: SamplingConfig, n: int) -> list[Reply]:
         """One request for the seeds `sampling.seed`, ..., `sampling.seed + n - 1` (vLLM's `n`);
         the replies in seed order, each with the version at its own first output."""
+        from vllm.inputs import TokensPrompt
+
         await self._before_first_request()
         last: dict[int, Any] = {}  # each child's completion (cumulative), by its index
         versions: dict[int, int] = {}
+        sent_at = self.version
         self.busy.enter()
         try:
             with engine_alive():
                 params = sampling_params(sampling, self.unsampled, n)
-                async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                                   request_id=f"r{next(self._ids)}"):
+                prompt: TokensPrompt = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(sent_at)}
+                async for out in self.llm.generate(prompt, params, request_id=f"r{next(self._ids)}"):
                     for completion in out.outputs:
                         versions.setdefault(completion.index, self.version)
                         last[completion.index] = completion
@@ -231,8 +233,8 @@ class VLLMEngine:
             counted = sum(len(c.token_ids) for c in last.values())
             count_generated(counted)
             self.busy.tokens += counted
-        never_started: Reply = ([], [], [], "abort", self.version)  # aborted before its first token
-        return [reply(last[i], sampling.top_logprobs, versions[i]) if i in last else never_started
+        never_started: Reply = ([], [], [], "abort", [], sent_at)  # aborted before its first token
+        return [reply(last[i], sampling.top_logprobs, versions[i], sent_at) if i in last else never_started
                 for i in range(n)]
 
     async def score(self, token_ids: list[int], top_k: int = 0) -> PromptLogprobs:
@@ -258,10 +260,13 @@ class VLLMEngine:
         (rlexp/rollout/vllm_liveness.py)."""
         return await watched(self.llm, call)
 
-    async def pause(self, interrupt: bool) -> None:
+    async def pause(self, mode: UpdateMode) -> None:
+        """keep: requests stay in the scheduler with their KV cache (vLLM's keep mode without
+        its cache clearing, which would preempt and prefill every request again); abort: cut
+        them short, to continue from their tokens after `resume`; wait: let them finish."""
         self._running.clear()
-        self._interrupts += interrupt
-        await self._call(self.llm.pause_generation(mode="abort" if interrupt else "wait"))
+        self._interrupts += mode == "abort"
+        await self._call(self.llm.pause_generation(mode=mode, clear_cache=mode != "keep"))
 
     async def resume(self) -> None:
         await self._call(self.llm.resume_generation())
@@ -273,8 +278,13 @@ class VLLMEngine:
         await self.weights_loaded(version)
 
     async def weights_loaded(self, version: int) -> None:
-        """New weights are in place (by whatever transport): from now on tokens carry `version`."""
-        await self._call(self.llm.reset_prefix_cache())  # cached KV was computed by the old weights
+        """New weights are in place (by whatever transport): from now on tokens carry `version`.
+        Cached KV was computed by the old weights: the reset drops it where no request holds it
+        (after abort or wait); KV that requests kept (keep) stays out of later requests' reach
+        by its cache salt, the version their request was sent at."""
+        await self._call(self.llm.reset_prefix_cache())
+        await self._call(self.llm.update_weight_version(str(version)))
+        self._labelled = True
         if self.llm.model_config.is_multimodal_model:  # so were the cached image encodings (and
             await self._call(self.llm.reset_encoder_cache())  # a seen image would miss: the engine dies)
         self.version = version

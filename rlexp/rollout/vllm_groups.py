@@ -22,8 +22,10 @@ from typing import Any
 from rlexp.rollout.accounting import generated_tokens
 from rlexp.sample import SamplingConfig
 
-# One sample's reply: token ids, their logprobs, top alternatives, finish reason, policy version.
-Reply = tuple[list[int], list[float], list[dict[int, float]], str, int]
+# One sample's reply: token ids, their logprobs, top alternatives, finish reason, the policy
+# version that produced each token, and the version the request was sent at (its cache salt:
+# the oldest weights whose KV its tokens may attend to).
+Reply = tuple[list[int], list[float], list[dict[int, float]], str, list[int], int]
 Send = Callable[[list[int], SamplingConfig, int], Awaitable[list[Reply]]]
 
 

@@ -4,11 +4,52 @@ prompt's own logprobs (a teacher's scores)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlexp.errors import TeacherError
 from rlexp.rollout.vllm_groups import Reply
-from rlexp.sample import PromptLogprobs
+from rlexp.sample import Generation, PromptLogprobs, SamplingConfig, stitch_routing
+
+
+@dataclass
+class Segments:
+    """A completion sent in pieces: after each pause that aborted it, what is left of it goes out
+    again from its tokens so far (prompt and tokens prefilled under the new weights). A token
+    whose version is newer than its piece was sent at was produced over KV the older weights
+    wrote (a keep pause): the completion is mixed from the first such token."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    mixed: tuple[int, int] | None = None  # (first mixed token, the version its KV is of)
+    routing: Any = None
+    pieces: int = 0
+
+    def rest(self, sampling: SamplingConfig) -> SamplingConfig:
+        """The sampling settings of the next piece: the tokens left, a seed of its own."""
+        if not self.pieces:
+            return sampling
+        seed = None if sampling.seed is None else hash((sampling.seed, self.pieces)) & 0x7FFFFFFF
+        return replace(sampling, max_tokens=sampling.max_tokens - len(self.ids), seed=seed)
+
+    def add(self, ids: list[int], logprobs: list[float], top: list[dict[int, float]], versions: list[int],
+            sent_at: int, routing: Any = None) -> None:
+        first = next((i for i, v in enumerate(versions) if v != sent_at), None)
+        if self.mixed is None and first is not None:
+            self.mixed = (len(self.ids) + first, sent_at)
+        self.ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.top += top
+        self.routing = stitch_routing(self.routing, routing)
+        self.pieces += 1
+
+    def generation(self, finish: str, top_logprobs: int) -> Generation:
+        mixed_from, context_version = self.mixed if self.mixed is not None else (None, None)
+        return Generation(self.ids, self.logprobs, finish, self.versions, self.top if top_logprobs else None,
+                          self.routing, mixed_from, context_version)
 
 
 def report_new(completion, seen: int, on_tokens: Callable[[list[int], list[float]], None]) -> int:
@@ -20,15 +61,30 @@ def report_new(completion, seen: int, on_tokens: Callable[[list[int], list[float
     return seen + len(ids)
 
 
-def reply(completion: Any, top_logprobs: int, version: int) -> Reply:
-    """A completion's ids, logprobs, `top_logprobs` alternatives per step and finish reason."""
+def reply(completion: Any, top_logprobs: int, version: int, sent_at: int) -> Reply:
+    """A completion's ids, logprobs, `top_logprobs` alternatives per step, finish reason, each
+    token's policy version (vLLM's weight-version spans, which the engine labels per step;
+    `version` where it has none) and `sent_at`, the version the request was sent at."""
     ids = list(completion.token_ids)
     steps = [step for step in completion.logprobs or [] if step is not None]
     logprobs = [step[tid].logprob for tid, step in zip(ids, steps)]
     k = top_logprobs  # each step also holds the sampled token, whatever its rank
     top = [{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
            for step in steps] if k else []
-    return ids, logprobs, top, completion.finish_reason or "abort", version
+    return (ids, logprobs, top, completion.finish_reason or "abort",
+            token_versions(completion.weight_versions, len(ids), version), sent_at)
+
+
+def token_versions(spans: Any, n: int, version: int) -> list[int]:
+    """Each of `n` output tokens' policy version from vLLM's `WeightVersionSpan`s (labels set by
+    `AsyncLLM.update_weight_version`: rlexp's versions as text); `version` for tokens no span
+    covers, or all of them where vLLM gave none."""
+    out = [version] * n
+    for span in spans or []:
+        label, end = str(span.version), min(span.end, n)
+        if label.lstrip("-").isdigit() and end > span.start:
+            out[span.start:end] = [int(label)] * (end - span.start)
+    return out
 
 
 def prompt_scores(output: Any, token_ids: list[int], top_k: int) -> PromptLogprobs:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rlexp.constraints import AtLeast0
+from rlexp.constraints import AtLeast0, UpdateMode
 from rlexp.data.manager import DataManager
 from rlexp.errors import SyncMismatch
 from rlexp.protocols import Agent, RolloutEngine
@@ -71,9 +72,12 @@ class AsyncScheduler:
       keeps (groups trained + accepted + in flight) <= (version + η + 1) * B
       + over_sample_groups, so at most about η batches run ahead of the trainer.
       A group that gets too stale anyway (waiting, or still in flight) is EXPIRED.
-    - enable_partial_rollout: at a weight update, in-flight generations are cut short and
-      continue under the new weights (tokens keep their versions); otherwise the update
-      waits until they finish.
+    - update_mode: what a weight update does with the generations in flight (docs/async.md):
+      keep (an in-flight update: the engine pauses with their requests and KV cache, loads
+      the weights and resumes them, nothing prefilled again; the tokens after the update are
+      the new weights' over KV the old ones wrote), abort (cut short, continued under the new
+      weights from their tokens, prompt and tokens prefilled again), wait (the update waits
+      until they finish). Every token keeps the version that produced it.
     - tail_batch_candidate_step c (1..η, 0 = off): a group still in flight after c weight
       updates is set aside (cancelled, ABORTED, its tokens counted as never trained).
     - tail_batch_trigger_size k (1..B): once k groups are set aside, they are re-rolled
@@ -91,14 +95,14 @@ class AsyncScheduler:
 
     overlaps_training = True  # generates while the trainer trains
 
-    def __init__(self, staleness_threshold: AtLeast0 = 1, enable_partial_rollout: bool = True,
+    def __init__(self, staleness_threshold: AtLeast0 = 1, update_mode: UpdateMode = "abort",
                  tail_batch_candidate_step: AtLeast0 = 0, tail_batch_trigger_size: AtLeast0 = 0,
                  over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False,
                  pause_for_eval: bool = True):
         self.ledger = GroupLedger(filter_zero_variance)
         self.pause_for_eval = pause_for_eval
         self.staleness_threshold = staleness_threshold
-        self.enable_partial_rollout = enable_partial_rollout
+        self.update_mode = update_mode
         self.tail_candidate_step = tail_batch_candidate_step
         self.tail_trigger_size = tail_batch_trigger_size
         self.over_sample_groups = over_sample_groups
@@ -110,6 +114,7 @@ class AsyncScheduler:
         self._launched = 0
         self._trained_groups = 0
         self._syncing = False
+        self._pause_s = 0.0  # seconds the engine spent paused for weight updates since the last step
         self._evaluating = False  # launches wait while set (pause_for_eval)
         self._restored: list[GroupRollout] = []  # in flight at the checkpoint: relaunched on resume
         self._producer: asyncio.Task | None = None
@@ -156,21 +161,26 @@ class AsyncScheduler:
     async def sync_weights(self, engine: RolloutEngine, publish: Callable[[], Awaitable[None]],
                            version: int) -> None:
         self._syncing = True  # no launches while the engine is paused
+        paused = time.perf_counter()
         try:
-            await engine.pause(interrupt=self.enable_partial_rollout)
+            await engine.pause(self.update_mode)
             try:
                 await publish()
             finally:
                 await engine.resume()
             self._version = version
+            self._pause_s += time.perf_counter() - paused
         finally:
             self._syncing = False
             self._wake_producer.set()
 
     def pop_counts(self) -> dict[str, float]:
         """Counts since the last call: groups rejected (filtered, expired, set aside), tail
-        groups trained, tokens generated but never trained."""
-        return self.ledger.pop()
+        groups trained, tokens generated but never trained; the seconds of the update's pause
+        (pause, weights, resume)."""
+        out = self.ledger.pop() | {"rollout/update_pause_s": self._pause_s}
+        self._pause_s = 0.0
+        return out
 
     @contextlib.asynccontextmanager
     async def evaluating(self) -> AsyncIterator[None]:
