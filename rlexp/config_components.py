@@ -114,8 +114,10 @@ def _check_graders(cfg: DictConfig) -> None:
 def _check_update_mode(cfg: DictConfig) -> None:
     """A scheduler's `update_mode` is one its rollout engine can do (`update_modes`)."""
     mode = OmegaConf.select(cfg, "scheduler.update_mode")
+    if mode is None:  # a scheduler that never pauses the engine (scheduler=sync)
+        return
     modes = declares(cfg.rollout, "rollout", RolloutEngine, "update_modes")
-    if mode is not None and mode not in modes:
+    if mode not in modes:
         raise ConfigError(f"scheduler.update_mode={mode}: rollout._target_={cfg.rollout._target_} can "
                           f"do {' or '.join(modes)} at a weight update (keep needs rollout=vllm)")
 

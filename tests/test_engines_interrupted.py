@@ -166,47 +166,60 @@ def _graded(samples):
     return samples
 
 
+async def _keep_update(engine, prompts, weights, version: int):
+    """Long generations, a keep update to `version` mid-way pushing `weights`, then short
+    requests sent after it: (the generations that crossed it, the requests after it)."""
+    running_on = asyncio.create_task(_mid_generation(engine, 1, tokens=8).wait())
+    long = [SamplingConfig(TEMPERATURE, 1.0, 120, seed=10 * version + i) for i in range(len(prompts))]
+    crossing = [asyncio.create_task(engine.generate(p, sampling)) for p, sampling in zip(prompts, long)]
+    await asyncio.wait([running_on, asyncio.gather(*crossing)], return_when=asyncio.FIRST_COMPLETED)
+    await engine.pause("keep")
+    transport = RamFileTransport()
+    try:
+        await transport.transfer(weights, engine, version)
+    finally:
+        transport.close()
+    await engine.resume()
+    after = [engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 8, seed=10 * version + 5 + i))
+             for i, p in enumerate(prompts)]
+    return await asyncio.gather(*crossing), await asyncio.gather(*after)
+
+
+def _moved(trainer) -> list:
+    """The trainer's weights moved (as by an update); its weights before."""
+    before = [(n, t.detach().clone()) for n, t in trainer.weights()]
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return before
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("push", ["correct", "not_landed"])
-def test_the_sync_check_skips_mixed_tokens_and_catches_a_bad_keep_update(tiny_model_path, tokenizer, push):
-    """A keep update mid-generation, then a batch of the generations that crossed it (tokens of
-    version 0, then mixed ones of version 1) and of requests sent after it. A correct push: the
-    fit's sync check compares only the tokens of the requests sent after it and passes. A push
-    that did not land (the old weights announced as version 1): it stops the fit."""
+def test_the_sync_check_skips_mixed_tokens_and_catches_a_bad_keep_update(tiny_model_path, tokenizer):
+    """Keep updates mid-generation, each followed by a batch of the generations that crossed it
+    (tokens of the version before, then mixed ones) and of requests sent after it. A correct
+    push (version 1): the fit's sync check compares only the requests sent after it, and
+    passes. A push that did not land (version 2: the engine keeps version 1's weights): it
+    stops the fit."""
     trainer = _scrambled_trainer(tiny_model_path)
-    old_weights = [(n, t.detach().clone()) for n, t in trainer.weights()]
     prompts = _prompts(tokenizer)
 
     async def check(engine):
         await _publish(trainer, engine, version=0)
-        running_on = asyncio.create_task(_mid_generation(engine, 1, tokens=8).wait())
-        crossing = [asyncio.create_task(engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 120, seed=i)))
-                    for i, p in enumerate(prompts)]
-        await asyncio.wait([running_on, asyncio.gather(*crossing)], return_when=asyncio.FIRST_COMPLETED)
-        await engine.pause("keep")
-        with torch.no_grad():
-            for p in trainer.model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
-        transport = RamFileTransport()
-        try:
-            await transport.transfer(trainer.weights() if push == "correct" else iter(old_weights), engine, 1)
-        finally:
-            transport.close()
-        await engine.resume()
-        after = [engine.generate(p, SamplingConfig(TEMPERATURE, 1.0, 8, seed=10 + i))
-                 for i, p in enumerate(prompts)]
-        return await asyncio.gather(*crossing), await asyncio.gather(*after)
+        _moved(trainer)
+        first = await _keep_update(engine, prompts, trainer.weights(), 1)
+        landed = trainer.fit(_graded(_as_samples(prompts + prompts, first[0] + first[1])), 1)
+        kept = _moved(trainer)
+        second = await _keep_update(engine, prompts, iter(kept), 2)
+        return first, landed, second
 
-    crossed, after = _run_vllm(tiny_model_path, tokenizer, check)
-    assert any(g.mixed_from is not None for g in crossed)
-    batch = _graded(_as_samples(prompts + prompts, crossed + after))
-    if push == "not_landed":
-        with pytest.raises(SyncMismatch, match="policy version 1 did not land"):
-            trainer.fit(batch, 1)
-        return
-    metrics = trainer.fit(batch, 1)  # the mixed tokens, version 1's own, are no single version's
-    assert 0 < metrics["sync/tokens"] <= sum(len(g.token_ids) for g in after)
-    assert metrics["sync/logprob_diff_p99"] < SCRAMBLED_TOL
+    (crossed, after), landed, (crossed_2, after_2) = _run_vllm(tiny_model_path, tokenizer, check)
+    assert any(g.mixed_from is not None for g in crossed + crossed_2)
+    # the mixed tokens, version 1's own, are no single version's: left out
+    assert 0 < landed["sync/tokens"] <= sum(len(g.token_ids) for g in after)
+    assert landed["sync/logprob_diff_p99"] < SCRAMBLED_TOL
+    with pytest.raises(SyncMismatch, match="policy version 2 did not land"):
+        trainer.fit(_graded(_as_samples(prompts + prompts, crossed_2 + after_2)), 2)
 
 
 @pytest.mark.vllm

@@ -178,7 +178,7 @@ class AsyncScheduler:
         """Counts since the last call: groups rejected (filtered, expired, set aside), tail
         groups trained, tokens generated but never trained; the seconds of the update's pause
         (pause, weights, resume)."""
-        out = self.ledger.pop() | {"rollout/update_pause_s": self._pause_s}
+        out = self.ledger.pop() | ({"rollout/update_pause_s": self._pause_s} if self._pause_s else {})
         self._pause_s = 0.0
         return out
 
