@@ -68,7 +68,9 @@ def test_vllm_serves_the_lora_policy_after_a_sync(vllm, tiny_model_path, tokeniz
     print(f"max |logprob diff| trainer vs vLLM: before {before:.2e}, adapters moved {moved:.2e}, "
           f"after the sync {after:.2e}")
     assert moved > 1e-2  # the adapters change the policy: the test can tell them apart
-    assert before < 1e-5 and after < 1e-5
+    # float32 vLLM vs transformers, the adapters merged: up to 1.1e-5 measured (an Intel Xeon
+    # with AMX, 2026-11-29; which requests share an engine step changes the kernels' shapes)
+    assert before < 1e-4 and after < 1e-4
 
 
 def test_a_push_of_the_unmerged_base_weights_stops_the_next_fit(vllm, tiny_model_path, tokenizer):
