@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from rlexp.teachers.openai import OpenAITeacher
@@ -25,3 +29,17 @@ def score(t: OpenAITeacher, *sequences: list[int]) -> list[Any]:
             t.shutdown()
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def serving(handler) -> Iterator[str]:
+    """`handler` (an http.server request handler class) on a loopback port, in a thread: its
+    root url, until the block ends."""
+    http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    http.daemon_threads = True
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{http.server_address[1]}"
+    finally:
+        http.shutdown()
+        http.server_close()

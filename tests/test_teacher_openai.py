@@ -13,7 +13,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
@@ -23,7 +23,7 @@ from rlexp.console import quiet_third_party
 from rlexp.errors import ConfigError, TeacherError
 from rlexp.teachers.openai import OpenAITeacher, parse_reply
 from rlexp.teachers.serve import serve_command
-from tests.teacher_helpers import free_port, score
+from tests.teacher_helpers import free_port, score, serving
 
 TOKENS = [5, 6, 7, 8, 9]
 
@@ -113,17 +113,11 @@ class FakeServer:
 def fake() -> Iterator[tuple[FakeServer, str]]:
     """(the fake, its root url): a scenario's base_url is f"{root}/<scenario>/v1"."""
     server = FakeServer()
-    http = ThreadingHTTPServer(("127.0.0.1", 0), server.handler())
-    http.daemon_threads = True
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, f"http://127.0.0.1:{http.server_address[1]}"
-    finally:
-        server.release.set()
-        http.shutdown()
-        http.server_close()
-        thread.join(10)
+    with serving(server.handler()) as root:
+        try:
+            yield server, root
+        finally:
+            server.release.set()  # a handler held by a scenario lets go before the server stops
 
 
 def teacher(root: str, scenario: str, **kwargs: Any) -> OpenAITeacher:

@@ -7,9 +7,8 @@ test_teacher_vllm_serve.py."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from rlexp.errors import ConfigError
 from rlexp.teachers import served
 from rlexp.teachers.openai import OpenAITeacher
 from tests.distill_helpers import distill_run, refused, student
+from tests.teacher_helpers import serving
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +89,8 @@ class Fake:
 def fake(dirs) -> Iterator[tuple[Fake, str]]:
     """(the fake, its root url): a scenario's base_url is f"{root}/<scenario>/v1"."""
     server = Fake(dirs)
-    http = ThreadingHTTPServer(("127.0.0.1", 0), server.handler())
-    http.daemon_threads = True
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, f"http://127.0.0.1:{http.server_address[1]}"
-    finally:
-        http.shutdown()
-        http.server_close()
-        thread.join(10)
+    with serving(server.handler()) as root:
+        yield server, root
 
 
 def check(root: str, scenario: str, student_dir: str, **kwargs: Any) -> None:

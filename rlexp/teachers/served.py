@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from rlexp.errors import ConfigError
+from rlexp.teachers.openai import _one_line
 
 if TYPE_CHECKING:
     from rlexp.teachers.openai import OpenAITeacher
@@ -200,8 +201,3 @@ def _cleaned(text: str) -> str:
 
 def _snippet(text: str, limit: int = 24) -> str:
     return repr(text[:limit] + ("..." if len(text) > limit else ""))
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[:limit] + "..."
