@@ -1,22 +1,37 @@
-"""Sync vs async scheduling on the same workload and the same number of steps, in one run.
+"""Sync vs async scheduling, at each staleness threshold in each weight-update mode, on the same
+workload and the same number of steps, side by side in one invocation.
 
     .venv/bin/python bench/async_speedup.py [--workload tail|multiturn] [--steps 30]
-                                            [--thresholds 1 2] [--reps 1] [--pin]
+                                            [--thresholds 1 2] [--modes keep abort wait]
+                                            [--reps 1] [--pin]
 
-Each configuration is a real `python -m rlexp.run` (vLLM, GRPO trainer, MLflow) with the
-same seed and workload; only `scheduler=...` differs. Workloads:
+`--mode M` is the same as `--modes M`. Configurations: `sync`, and `async_<mode>_<threshold>`
+for each of --modes (scheduler.update_mode: what the vLLM engine does with its running
+generations at a weight update; keep: paused with their KV cache and resumed, abort: cut
+short and sent again, prompt and tokens so far prefilled again, wait: let finish) and each of
+--thresholds (scheduler.staleness_threshold). Each is a real `python -m rlexp.run` (vLLM, GRPO
+trainer, MLflow) with the same seed and workload; only `scheduler...` differs. Workloads:
   tail       long-tailed response lengths: the tiny model warm-started for only 10 steps,
              so most answers are short but some ramble (p50 ~5, p90 ~17 tokens, up to 64);
              it barely knows arithmetic, so accuracy says little here: this one measures time
   multiturn  the default tiny model with agent=multiturn: 1 to 3 replies per trajectory,
              and it learns (accuracy rises within a few dozen steps)
-Reported per configuration, read back
-from each run's MLflow store: training-loop wall time (sum of `timing/step_s`: produce +
-fit + sync, no engine start-up, no evaluation), whole-process wall time, eval accuracy
-before and after, mean rollout-engine and trainer idle fractions, staleness, expired
-samples, tokens generated but never trained, response-length percentiles. Ratios are
-sync / async wall time (> 1: async is faster), each within one core setting. With --reps > 1
-the configurations run in rotating order and the median per configuration is reported.
+Reported per configuration, read back from each run's MLflow store (bench/async_report.py):
+training-loop wall time (sum of `timing/step_s`: produce + fit + sync, no engine start-up, no
+evaluation), whole-process wall time, eval accuracy before and after, mean rollout-engine and
+trainer idle fractions, staleness, expired samples, tokens generated but never trained,
+response-length percentiles, trained ktokens/s; and in a second table the weight updates'
+cost: updates (steps that logged `rollout/update_pause_s`: every async step, never sync's),
+pause seconds per update (mean of `rollout/update_pause_s`), tokens prefilled again (sum of
+`rollout/prefilled_again_tokens`) in all and per update, `rollout/mixed_tokens` in all, and
+the engine idle fraction again. Ratios are sync / async (> 1: async is faster), each within
+one core setting. With --reps > 1 the configurations run in rotating order and the median per
+configuration is reported.
+
+Printed last: which configuration the headline is, whether every keep-mode run prefilled 0
+tokens again, then `ratio: X`: sync's training-loop time / that of the fastest async
+configuration (smallest median `loop_s`, over every mode and threshold), on shared cores, or
+both pinned with --pin.
 
 Core settings. shared: both cores for everyone, as a plain run (vLLM's worker binds its
 OpenMP threads itself, the trainer's torch uses both cores). With --pin, the same
@@ -31,9 +46,7 @@ process ended on). The headline is then the pinned one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,11 +57,12 @@ import psutil
 
 os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # before mlflow is imported
 
-from mlflow.tracking import MlflowClient
+import async_report as report
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER_CORE, ENGINE_CORE = 0, 1
 PIN_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE)}
+MODES = ("keep", "abort", "wait")  # scheduler.update_mode
 WORKLOADS = {
     "tail": ["model.warm_start_steps=10", "model.warm_start_target_accuracy=1.0",
              "rollout.max_response_tokens=64", "rollout.max_model_len=128",
@@ -85,6 +99,8 @@ def pin_descendants(driver: subprocess.Popen, core: int,
 
 
 def run_one(name: str, overrides: list[str], steps: int, workdir: Path, pin: bool = False) -> dict:
+    """One `python -m rlexp.run` of `steps` steps with `overrides` (MLflow store and outputs
+    under `workdir`), pinned with `pin`; its numbers (bench/async_report.py `read_run`)."""
     uri = f"sqlite:///{workdir}/{name}.db"
     cmd = [sys.executable, "-m", "rlexp.run", *overrides, f"trainer.total_steps={steps}",
            f"evaluator.every_n_steps={steps}", f"logger.tracking_uri={uri}",
@@ -106,80 +122,70 @@ def run_one(name: str, overrides: list[str], steps: int, workdir: Path, pin: boo
     if pin:
         print(f"  {name} cores: " + "; ".join(f"{n} (pid {p}) {sorted(c)}" for p, (n, c) in cores.items()),
               flush=True)
-    client = MlflowClient(tracking_uri=uri)
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-
-    def hist(key):
-        history = client.get_metric_history(run.info.run_id, key)
-        return [m.value for m in sorted(history, key=lambda m: m.step)]
-
-    lengths = []
-    for step in range(1, steps + 1):
-        path = client.download_artifacts(run.info.run_id, f"traces/step_{step:05d}.jsonl")
-        lengths += [sum(json.loads(x)["loss_mask"]) for x in Path(path).read_text().splitlines()]
-    lengths.sort()
-    evals = hist("eval/accuracy")
-    return {
-        "loop_s": sum(hist("timing/step_s")), "wall_s": wall, "eval_start": evals[0], "eval_end": evals[-1],
-        "engine_idle": statistics.mean(hist("rollout/engine_idle_frac")),
-        "trainer_idle": statistics.mean(hist("train/idle_frac")),
-        "staleness_mean": statistics.mean(hist("rollout/staleness_mean")),
-        "staleness_max": max(hist("rollout/staleness_max")),
-        "expired": sum(hist("samples/expired")), "untrained_tokens": sum(hist("rollout/untrained_tokens")),
-        "len_p50": lengths[len(lengths) // 2], "len_p90": lengths[int(len(lengths) * 0.9)],
-        "len_max": lengths[-1], "len_mean": statistics.mean(lengths),
-        # The policies drift apart, so equal steps need not mean equal tokens: also per token.
-        "ktok_per_s": sum(lengths) / 1000 / sum(hist("timing/step_s")),
-    }
+    return report.read_run(uri, steps, wall)
 
 
-def main() -> None:
+def configurations(thresholds: list[int], modes: list[str], pin: bool) -> dict[str, list[str]]:
+    """The configurations by name: `sync`, then `async_<mode>_<threshold>` for each update mode
+    and staleness threshold; with `pin`, each again as `<name>_pin`."""
+    configs = {"sync": ["scheduler=sync"]} | {
+        f"async_{mode}_{k}": ["scheduler=async", f"scheduler.staleness_threshold={k}",
+                              f"scheduler.update_mode={mode}"] for mode in modes for k in thresholds}
+    if pin:
+        configs |= {f"{n}_pin": o for n, o in configs.items()}
+    return configs
+
+
+def run_all(configs: dict[str, list[str]], workload: str, steps: int, reps: int) -> dict[str, list[dict]]:
+    """Every configuration `reps` times, each repetition starting one configuration later (rotating
+    order), in a temporary folder; each run's numbers by configuration."""
+    names = list(configs)
+    width = max(map(len, names))
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="rlexp-async-bench-") as tmp:
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                overrides = WORKLOADS[workload] + configs[name]
+                r = run_one(f"{name}-{rep}", overrides, steps, Path(tmp), pin=name.endswith("_pin"))
+                results[name].append(r)
+                print(f"rep {rep} {name:{width}s} loop {r['loop_s']:6.1f}s  wall {r['wall_s']:6.1f}s",
+                      flush=True)
+    return results
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=list(WORKLOADS), default="tail")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--thresholds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=1)
-    ap.add_argument("--mode", choices=["keep", "abort", "wait"], default="abort",
-                    help="scheduler.update_mode: what a weight update does with running generations")
+    ap.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES),
+                    help="scheduler.update_mode values to run: what a weight update does with running "
+                         "generations (each with every threshold)")
+    ap.add_argument("--mode", choices=MODES, help="one update mode: the same as --modes MODE")
     ap.add_argument("--pin", action="store_true",
                     help=f"also run each configuration with the trainer on core {DRIVER_CORE}, vLLM on "
                          f"core {ENGINE_CORE}")
     args = ap.parse_args()
-    configs = {"sync": ["scheduler=sync"]} | {
-        f"async_{k}": ["scheduler=async", f"scheduler.staleness_threshold={k}",
-                       f"scheduler.update_mode={args.mode}"] for k in args.thresholds}
-    if args.pin:
-        configs |= {f"{n}_pin": o for n, o in configs.items()}
-    names = list(configs)
-    results: dict[str, list[dict]] = {n: [] for n in names}
-    with tempfile.TemporaryDirectory(prefix="rlexp-async-bench-") as tmp:
-        for rep in range(args.reps):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
-                overrides = WORKLOADS[args.workload] + configs[name]
-                r = run_one(f"{name}-{rep}", overrides, args.steps, Path(tmp), pin=name.endswith("_pin"))
-                results[name].append(r)
-                print(f"rep {rep} {name:11s} loop {r['loop_s']:6.1f}s  wall {r['wall_s']:6.1f}s", flush=True)
-    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in results.items()}
-    print(f"\nworkload {args.workload}, {args.steps} steps, {args.reps} rep(s), "
-          f"update mode {args.mode}; medians; _pin: trainer on core {DRIVER_CORE}, vLLM on core "
+    if args.mode:
+        args.modes = [args.mode]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    configs = configurations(args.thresholds, args.modes, args.pin)
+    results = run_all(configs, args.workload, args.steps, args.reps)
+    med = report.medians(results)
+    print(f"\nworkload {args.workload}, {args.steps} steps, {args.reps} rep(s), update modes "
+          f"{' '.join(args.modes)}; medians; _pin: trainer on core {DRIVER_CORE}, vLLM on core "
           f"{ENGINE_CORE}, otherwise both cores shared")
-    cols = ["loop_s", "wall_s", "eval_start", "eval_end", "engine_idle", "trainer_idle", "staleness_mean",
-            "staleness_max", "expired", "untrained_tokens", "len_mean", "len_p50", "len_p90", "len_max",
-            "ktok_per_s"]
-    print("config      " + " ".join(f"{c:>14s}" for c in cols))
-    for n in names:
-        print(f"{n:11s} " + " ".join(f"{med[n][c]:14.3f}" for c in cols))
+    report.print_table("time, accuracy, idle, staleness, lengths:", med, report.MAIN_COLUMNS)
+    report.print_table("weight updates (an update: a step that logged rollout/update_pause_s; sync has "
+                       "none, so '-' per update):", med, report.UPDATE_COLUMNS)
     pins = ["", "_pin"] if args.pin else [""]
-    for pin in pins:  # each async configuration against sync on the same cores
-        sync = med[f"sync{pin}"]
-        for k in args.thresholds:
-            n = f"async_{k}{pin}"
-            print(f"sync{pin}/{n}: training loop {sync['loop_s'] / med[n]['loop_s']:.2f}x, "
-                  f"whole run {sync['wall_s'] / med[n]['wall_s']:.2f}x, "
-                  f"trained tokens/s {med[n]['ktok_per_s'] / sync['ktok_per_s']:.2f}x")
-    # headline: sync / the first async configuration, training loop time, pinned when asked
-    pin, k = pins[-1], args.thresholds[0]
-    print(f"ratio: {med[f'sync{pin}']['loop_s'] / med[f'async_{k}{pin}']['loop_s']:.3f}")
+    report.print_ratios(med, pins)
+    report.print_headline(med, results, pins[-1])
 
 
 if __name__ == "__main__":

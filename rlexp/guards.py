@@ -40,6 +40,8 @@ class AgentGuard(Agent):
     def __init__(self, agent: Agent, timeout_s: Timeout = None):
         self.agent = agent
         self.timeout_s = timeout_s
+        # A group at once where the agent can: a timeout is per sample (the samples one by one)
+        self.rolls_out_groups = timeout_s is None and getattr(agent, "rolls_out_groups", False)
 
     async def rollout(self, sample: Sample) -> Sample | list[Sample]:
         conversation.set(sample)  # this task's requests are one conversation (a pool routes on it)
@@ -51,6 +53,11 @@ class AgentGuard(Agent):
             sample.status = Status.ABORTED
             sample.metadata["error"] = f"agent timed out after {self.timeout_s:g}s (agent.guard.timeout_s)"
             return sample
+
+    async def rollout_group(self, samples: list[Sample]) -> list[Sample | list[Sample] | BaseException]:
+        if not self.rolls_out_groups:
+            return await super().rollout_group(samples)
+        return await self.agent.rollout_group(samples)
 
     async def aclose(self) -> None:
         await self.agent.aclose()

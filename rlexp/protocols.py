@@ -19,10 +19,13 @@ built (rlexp/config_components.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from rlexp.rollout.each import generate_each
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +64,12 @@ class RolloutEngine(Protocol):
         if on_tokens is not None and gen.token_ids:
             on_tokens(gen.token_ids, gen.logprobs)
         return gen
+
+    async def generate_group(self, token_ids: list[int], samplings: list[SamplingConfig]) -> list[Generation]:
+        """One completion of `token_ids` per entry of `samplings` (a prompt group's samples, each
+        with its own seed), each the one `generate` gives it. The default calls `generate` for
+        each, concurrently; an engine that can send them as one request does (VLLMEngine)."""
+        return await generate_each(self, token_ids, samplings)
 
     async def pause(self, mode: UpdateMode) -> None:
         """Stop starting new work before a weight update. `mode`: "wait" until every in-flight
@@ -130,11 +139,18 @@ class Judge(Protocol):
 
 class Agent(Protocol):
     sends_images: bool = False  # a prompt's images reach the engine (checked for data with images)
+    rolls_out_groups: bool = False  # has a `rollout_group` of its own (schedulers call it then)
 
     async def rollout(self, sample: Sample) -> Sample | list[Sample]:
         """One trajectory from the sample's prompt (several if the conversation branched or
         was split at a prefix break), scored by the agent's judge."""
         ...
+
+    async def rollout_group(self, samples: list[Sample]) -> list[Sample | list[Sample] | BaseException]:
+        """`rollout` of each sample of a prompt group, in order, an exception standing for a
+        rollout that raised one. The default runs `rollout` per sample, concurrently; an agent
+        that does the group's work once (`rolls_out_groups`) gives the same samples."""
+        return list(await asyncio.gather(*(self.rollout(s) for s in samples), return_exceptions=True))
 
     async def aclose(self) -> None: ...
 

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from rlexp.rollout.vllm_engine import cache_salt
+from rlexp.rollout.vllm_sampling import sampling_params
 from rlexp.sample import SamplingConfig
 from rlexp.weights.files import save_safetensors
 from tests import sync_faults
@@ -92,18 +94,45 @@ def test_a_groups_requests_go_out_as_one_and_each_sample_gets_its_own_requests_t
             grouped = await asyncio.gather(*(engine.generate(prompt, sampling(100 + i)) for i in range(6)))
             alone = [await engine.generate(prompt, sampling(100 + i)) for i in range(6)]
             apart = await asyncio.gather(*(engine.generate(prompt, sampling(100 + 2 * i)) for i in range(3)))
+            together = await engine.generate_group(prompt, [sampling(100 + i) for i in range(6)])
+            spread = await engine.generate_group(prompt, [sampling(100 + 2 * i) for i in range(3)])
         finally:
             del engine.llm.generate  # the instance attribute: vLLM's method again
-        return sent, grouped, alone, apart
+        return sent, grouped, alone, apart, together, spread
 
-    sent, grouped, alone, apart = tiny_vllm.run(check())
-    assert sent == [6] + [1] * 6 + [1] * 3
+    sent, grouped, alone, apart, together, spread = tiny_vllm.run(check())
+    assert sent == [6] + [1] * 6 + [1] * 3 + [6] + [1] * 3
+    assert together == grouped and spread == apart  # a group in one coroutine: the same replies
     assert [g.token_ids for g in grouped] == [g.token_ids for g in alone]
     assert len({tuple(g.token_ids) for g in alone}) > 1  # the seeds differ: so do the samples
     assert [g.finish_reason for g in grouped] == [g.finish_reason for g in alone]
     diff = max(abs(a - b) for g, s in zip(grouped, alone) for a, b in zip(g.logprobs, s.logprobs))
     assert diff < 1e-5 and all(g.versions == [0] * len(g.token_ids) for g in grouped)
     assert [g.token_ids for g in apart] == [alone[0].token_ids, alone[2].token_ids, alone[4].token_ids]
+
+
+@pytest.mark.vllm
+def test_replies_read_from_flat_logprobs_are_vllms_per_token_logprobs(tiny_vllm, tokenizer):
+    """rlexp asks vLLM for flat lists of logprobs; read back, they are what vLLM's per-token
+    dicts hold: the sampled token's logprob and the top alternatives with theirs."""
+    engine, prompt = tiny_vllm.engine, _prompts(tokenizer)[0]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=10, seed=7, top_logprobs=3, ignore_eos=True)
+
+    async def check():
+        ours = await engine.generate(prompt, sampling)
+        params = sampling_params(sampling)
+        params.flat_logprobs = False
+        request = {"prompt_token_ids": prompt, "cache_salt": cache_salt(engine.version)}
+        async for out in engine.llm.generate(request, params, request_id="as-dicts"):
+            final = out
+        return ours, final.outputs[0]
+
+    ours, dicts = tiny_vllm.run(check())
+    assert ours.token_ids == list(dicts.token_ids) and len(ours.token_ids) == 10
+    assert ours.logprobs == [step[t].logprob for t, step in zip(dicts.token_ids, dicts.logprobs)]
+    assert ours.top_logprobs == [{t: lp.logprob for t, lp in step.items() if lp.rank <= 3}
+                                 for step in dicts.logprobs]
+    assert all(len(top) >= 3 for top in ours.top_logprobs)
 
 
 @pytest.mark.vllm

@@ -54,7 +54,7 @@ from rlexp.envs.openenv import OpenEnvEnvironment
 from rlexp.envs.openenv_server import OpenEnvServer, release, shared_server
 from rlexp.envs.openenv_session import OpenEnvError
 from rlexp.errors import ConfigError, JudgeError
-from rlexp.protocols import Judge, RolloutEngine, Tool
+from rlexp.protocols import Agent, Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ def with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dic
     return [*before, {**last, "content": content + observation}]
 
 
-class EnvironmentAgent:
+class EnvironmentAgent(Agent):
     sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, factory: str | Callable[[], Any],
@@ -253,7 +253,7 @@ class EnvironmentAgent:
         """Nothing held between rollouts (an instance lives for one)."""
 
 
-class OpenEnvAgent:
+class OpenEnvAgent(Agent):
     """An EnvironmentAgent over an OpenEnv environment (`environment`: "package.module:Class" of
     an OpenEnv `Environment` subclass, or "package.module:app" of a FastAPI app made with
     OpenEnv's `create_app`), served by OpenEnv's own server run by `python` (OpenEnv's venv),

@@ -19,7 +19,7 @@ from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
-class FaultyAgent:
+class FaultyAgent(Agent):
     """`inner`: the wrapped agent's class or a partial of it (built with the same runtime
     arguments as any agent)."""
 

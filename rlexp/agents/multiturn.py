@@ -12,11 +12,11 @@ from rlexp.agents.single_turn import request_seed
 from rlexp.chat.client import SessionStore
 from rlexp.chat.session import PrefixBreak
 from rlexp.constraints import AtLeast1
-from rlexp.protocols import Judge, RolloutEngine
+from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
-class MultiTurnAgent:
+class MultiTurnAgent(Agent):
     sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,

@@ -21,7 +21,7 @@ from rlexp.chat.images import openai_messages
 from rlexp.chat.server import ChatServer
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
-from rlexp.protocols import Judge, RolloutEngine
+from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
@@ -38,7 +38,7 @@ def load_entrypoint(spec: str):
     return fn
 
 
-class OpenAIAgent:
+class OpenAIAgent(Agent):
     sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, entrypoint: str,

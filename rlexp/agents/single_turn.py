@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from rlexp.chat.images import ImagePrompts, images_of
 from rlexp.chat.render import encode, render_prompt_text
-from rlexp.protocols import Judge, RolloutEngine
-from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
+from rlexp.protocols import Agent, Judge, RolloutEngine
+from rlexp.sample import Generation, Sample, SamplingConfig, Status, TokenTrace
 
 
 def request_seed(base: int | None, sample: Sample, turn: int = 0) -> int | None:
@@ -44,8 +45,9 @@ class PromptCache:
         return rendered[0], list(rendered[1])
 
 
-class SingleTurnAgent:
+class SingleTurnAgent(Agent):
     sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
+    rolls_out_groups = True  # a prompt group in one coroutine, its completions asked for together
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge,
                  sampling: SamplingConfig | None = None):
@@ -67,6 +69,26 @@ class SingleTurnAgent:
         else:
             text, prompt = self.render(sample.prompt)
             gen = await self.engine.generate(prompt, sampling)
+        return await self._finish(sample, text, prompt, gen)
+
+    async def rollout_group(self, samples: list[Sample]) -> list[Sample | list[Sample] | BaseException]:
+        """The group's samples as `rollout` gives each, in this one coroutine: the prompt
+        rendered once, every completion asked of the engine at once (`generate_group`: one
+        request with n on vLLM), then each reply decoded and judged."""
+        if any(s.prompt != samples[0].prompt or images_of(s.prompt) for s in samples):
+            return await super().rollout_group(samples)
+        text, prompt = self.render(samples[0].prompt)
+        samplings = [replace(self.sampling, seed=request_seed(self.sampling.seed, s)) for s in samples]
+        try:
+            gens = await self.engine.generate_group(prompt, samplings)
+        except Exception as e:  # each sample fails with it, as each request would have
+            return [e] * len(samples)
+        # judged concurrently: a judge may wait on a thread, a process or a server
+        finished = (self._finish(s, text, prompt, gen) for s, gen in zip(samples, gens))
+        return list(await asyncio.gather(*finished, return_exceptions=True))
+
+    async def _finish(self, sample: Sample, text: str, prompt: list[int], gen: Generation) -> Sample:
+        """The sample with its reply: decoded, traced, and judged unless it was aborted."""
         # a turn's text is what its span decodes to, special tokens included (as on every agent)
         turn_text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
         has_special = not self._special.isdisjoint(gen.token_ids)

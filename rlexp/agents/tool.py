@@ -17,12 +17,12 @@ from rlexp.chat.images import images_of
 from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.constraints import AtLeast0, AtLeast1, Positive
-from rlexp.protocols import ImageTool, Judge, RolloutEngine, Tool
+from rlexp.protocols import Agent, ImageTool, Judge, RolloutEngine, Tool
 from rlexp.sample import Sample, SamplingConfig
 from rlexp.tools import build_tools
 
 
-class ToolAgent:
+class ToolAgent(Agent):
     sends_images = True  # a prompt's images reach the engine (config.py checks it for image data)
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, sampling: SamplingConfig | None = None,

@@ -38,7 +38,7 @@ from rlexp.chat.session import PrefixBreak
 from rlexp.chat.tool_prompt import ToolPrompt
 from rlexp.envs.process import ChildProcess
 from rlexp.envs.verifiers import DEFAULT_PYTHON, check_python, spec, worker
-from rlexp.protocols import Judge, RolloutEngine
+from rlexp.protocols import Agent, Judge, RolloutEngine
 from rlexp.sample import Sample, SamplingConfig
 
 
@@ -52,7 +52,7 @@ class VerifiersEpisodeError(RuntimeError):
 _WORKERS: dict[str, tuple[ChildProcess, int]] = {}
 
 
-class VerifiersAgent:
+class VerifiersAgent(Agent):
     sends_images = False
 
     def __init__(self, engine: RolloutEngine, tokenizer, judge: Judge, env_id: str | None = None,

@@ -15,6 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP, UpdateMode
 from rlexp.models.local import resolve_dtype
 from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.each import generate_each
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.weights.files import WEIGHTS_FILE, read_shared
 
@@ -81,6 +82,10 @@ class HFEngine:
         if on_tokens is not None and gen.token_ids:
             on_tokens(gen.token_ids, gen.logprobs)
         return gen
+
+    async def generate_group(self, token_ids: list[int], samplings: list[SamplingConfig]) -> list[Generation]:
+        """Each sample's own request: requests of one tick are batched anyway (`_drain`)."""
+        return await generate_each(self, token_ids, samplings)
 
     async def _drain(self) -> None:
         await asyncio.sleep(0)  # let every coroutine of this tick enqueue first

@@ -19,13 +19,14 @@ from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP, Upda
 from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
+from rlexp.rollout.each import generate_each
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.rollout.vllm_liveness import engine_alive, watched
 from rlexp.rollout.vllm_outputs import Segments, prompt_scores, reply, report_new
-from rlexp.rollout.vllm_sampling import groupable, sampling_params
+from rlexp.rollout.vllm_sampling import groupable, one_request, sampling_params
+from rlexp.rollout.vllm_transfer import NativeTransfer
 from rlexp.sample import Generation, PromptLogprobs, SamplingConfig
-from rlexp.weights.protocols import EngineProcess, in_process
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def cache_salt(version: int) -> str:
     return f"v{version}"
 
 
-class VLLMEngine:
+class VLLMEngine(NativeTransfer):
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
     Weights: `load_weights` reloads a safetensors file in place in the engine's workers,
@@ -130,22 +131,53 @@ class VLLMEngine:
                                  images: list[Any] | None = None) -> Generation:
         """`generate`, calling `on_tokens(ids, logprobs)` with each engine step's new tokens as
         they come (a restarted completion's tokens are reported again from its start)."""
-        done = Segments()
+        return await self._complete(token_ids, sampling, Segments(), on_tokens, images)
+
+    async def _complete(self, token_ids: list[int], sampling: SamplingConfig, done: Segments,
+                        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+                        images: list[Any] | None = None) -> Generation:
+        """The completion from its pieces so far (`done`) to its end."""
         while True:
             await self._running.wait()
             interrupts = self._interrupts
-            rest = done.rest(sampling)
             if done.pieces:  # the prompt and the tokens so far, prefilled again
                 self.busy.prefilled_again += len(token_ids) + len(done.ids)
-            ids, logprobs, top, finish, versions, sent_at, routing = await self._segment(
-                list(token_ids) + done.ids, rest, on_tokens, images)
-            interrupted = finish == "abort" and self._interrupts != interrupts
-            if interrupted and sampling.depends_on_the_reply:
-                done = Segments(routing=routing, pieces=done.pieces + 1)  # again from its start
-            else:
-                done.add(ids, logprobs, top, versions, sent_at, routing)
-            if not interrupted or len(done.ids) >= sampling.max_tokens:
-                return done.generation("length" if interrupted else finish, sampling.top_logprobs)
+            piece = await self._segment(list(token_ids) + done.ids, done.rest(sampling), on_tokens, images)
+            gen = self._take(done, piece, sampling, self._interrupts != interrupts)
+            if gen is not None:
+                return gen
+
+    @staticmethod
+    def _take(done: Segments, piece: tuple, sampling: SamplingConfig, paused: bool) -> Generation | None:
+        """Add a request's reply to `done`: the whole completion, or None where a pause that
+        aborted requests cut it short and tokens are left to generate."""
+        ids, logprobs, top, finish, versions, sent_at, routing = piece
+        interrupted = finish == "abort" and paused
+        if interrupted and sampling.depends_on_the_reply:
+            done.restart(routing)  # again from its start
+        else:
+            done.add(ids, logprobs, top, versions, sent_at, routing)
+        if not interrupted or len(done.ids) >= sampling.max_tokens:
+            return done.generation("length" if interrupted else finish, sampling.top_logprobs)
+        return None
+
+    async def generate_group(self, token_ids: list[int], samplings: list[SamplingConfig]) -> list[Generation]:
+        """`generate` for each sampling, as one request with n where they can go together (the
+        same settings, seeds that follow each other: rlexp/rollout/vllm_groups.py), awaited in
+        this one coroutine; a completion an abort cut short continues on its own."""
+        if self._groups is None or not one_request(samplings, self.unsampled, self.routing_capture):
+            return await generate_each(self, token_ids, samplings)
+        await self._running.wait()
+        interrupts = self._interrupts
+        replies = await self._request_n(token_ids, samplings[0], len(samplings))
+        pieces = [Segments() for _ in samplings]
+        gens = [self._take(done, (*r, None), s, self._interrupts != interrupts)
+                for done, r, s in zip(pieces, replies, samplings)]
+        cut = [i for i, gen in enumerate(gens) if gen is None]  # by an abort: each goes on alone
+        rests = await asyncio.gather(*(self._complete(token_ids, samplings[i], pieces[i]) for i in cut))
+        for i, gen in zip(cut, rests):
+            gens[i] = gen
+        return gens  # type: ignore[return-value]  # None no more
 
     async def _segment(self, token_ids: list[int], sampling: SamplingConfig,
                        on_tokens: Callable[[list[int], list[float]], None] | None,
@@ -288,33 +320,6 @@ class VLLMEngine:
         if self.llm.model_config.is_multimodal_model:  # so were the cached image encodings (and
             await self._call(self.llm.reset_encoder_cache())  # a seen image would miss: the engine dies)
         self.version = version
-
-    # vLLM's native weight transfer (rlexp/weights/vllm_ipc.py, vllm_nccl.py): the engine's side of
-    # it, called by name by the trainer's side (through EngineReplica.call_engine under cluster=ray).
-    async def load_weights_native(self, send: Callable[[EngineProcess], Awaitable[None]],
-                                  version: int) -> None:
-        """This engine's process is the one to send to (its methods called in this process)."""
-        await send(in_process(self))
-
-    def workers(self) -> int:
-        """vLLM's worker processes (tensor x pipeline parallel): each joins an NCCL transfer group."""
-        return self.llm.vllm_config.parallel_config.world_size
-
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        await self._call(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info)))
-
-    async def start_weight_update(self) -> None:
-        await self._call(self.llm.start_weight_update())
-
-    async def update_weights(self, update_info: Any) -> None:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self._call(self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info)))
-
-    async def finish_weight_update(self) -> None:
-        await self._call(self.llm.finish_weight_update())
 
     async def sleep(self) -> None:
         if self.sleeps:

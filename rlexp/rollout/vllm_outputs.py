@@ -34,6 +34,12 @@ class Segments:
         seed = None if sampling.seed is None else hash((sampling.seed, self.pieces)) & 0x7FFFFFFF
         return replace(sampling, max_tokens=sampling.max_tokens - len(self.ids), seed=seed)
 
+    def restart(self, routing: Any) -> None:
+        """The tokens so far are dropped (a completion that depends on its reply starts over)."""
+        self.ids, self.logprobs, self.versions, self.top, self.mixed = [], [], [], [], None
+        self.routing = routing
+        self.pieces += 1
+
     def add(self, ids: list[int], logprobs: list[float], top: list[dict[int, float]], versions: list[int],
             sent_at: int, routing: Any = None) -> None:
         first = next((i for i, v in enumerate(versions) if v != sent_at), None)
@@ -55,10 +61,26 @@ class Segments:
 def report_new(completion, seen: int, on_tokens: Callable[[list[int], list[float]], None]) -> int:
     """`on_tokens` with the tokens of `completion` past the first `seen`; how many it has now."""
     ids = list(completion.token_ids[seen:])
-    steps = (completion.logprobs or [])[seen:]
     if ids:
-        on_tokens(ids, [step[t].logprob for t, step in zip(ids, steps)])
+        on_tokens(ids, sampled_logprobs(completion.logprobs, len(ids), seen))
     return seen + len(ids)
+
+
+def sampled_logprobs(flat: Any, n: int, start: int = 0) -> list[float]:
+    """The sampled token's logprob at positions `start` .. `start + n - 1` of vLLM's
+    `FlatLogprobs` (`flat_logprobs=True`): each position's entries begin with the sampled
+    token (then the top ranks), so with no alternatives asked for the list is the answer."""
+    if len(flat.logprobs) == len(flat.start_indices):  # one entry per position
+        return list(flat.logprobs[start:start + n])
+    return [flat.logprobs[i] for i in flat.start_indices[start:start + n]]
+
+
+def top_alternatives(flat: Any, k: int) -> list[dict[int, float]]:
+    """Per position, the ids ranked 1 .. `k` with their logprobs (the sampled token among them
+    where its rank is within `k`), in the order vLLM lists them."""
+    ids, logprobs, ranks = flat.token_ids, flat.logprobs, flat.ranks
+    return [{ids[j]: logprobs[j] for j in range(a, b) if ranks[j] is not None and ranks[j] <= k}
+            for a, b in zip(flat.start_indices, flat.end_indices)]
 
 
 def reply(completion: Any, top_logprobs: int, version: int, sent_at: int) -> Reply:
@@ -66,11 +88,9 @@ def reply(completion: Any, top_logprobs: int, version: int, sent_at: int) -> Rep
     token's policy version (vLLM's weight-version spans, which the engine labels per step;
     `version` where it has none) and `sent_at`, the version the request was sent at."""
     ids = list(completion.token_ids)
-    steps = [step for step in completion.logprobs or [] if step is not None]
-    logprobs = [step[tid].logprob for tid, step in zip(ids, steps)]
-    k = top_logprobs  # each step also holds the sampled token, whatever its rank
-    top = [{t: lp.logprob for t, lp in step.items() if lp.rank is not None and lp.rank <= k}
-           for step in steps] if k else []
+    flat = completion.logprobs
+    logprobs = sampled_logprobs(flat, len(ids)) if ids else []
+    top = top_alternatives(flat, top_logprobs) if top_logprobs and ids else []
     return (ids, logprobs, top, completion.finish_reason or "abort",
             token_versions(completion.weight_versions, len(ids), version), sent_at)
 

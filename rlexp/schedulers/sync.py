@@ -67,7 +67,10 @@ async def rollout_group(agent: Agent, group: list[Sample], meter: list[int]) -> 
     """Roll out one prompt group; engines add every token they generate for it to `meter`.
     Run it as its own task: the meter is set in the task's context."""
     generated_tokens.set(meter)
-    results = await asyncio.gather(*(agent.rollout(s) for s in group), return_exceptions=True)
+    if getattr(agent, "rolls_out_groups", False):  # an agent of your own may not declare it
+        results = await agent.rollout_group(group)
+    else:
+        results = await asyncio.gather(*(agent.rollout(s) for s in group), return_exceptions=True)
     return [s for g in collect(group, results) for s in g]
 
 
