@@ -3,7 +3,7 @@ workload and the same number of steps, side by side in one invocation.
 
     .venv/bin/python bench/async_speedup.py [--workload tail|multiturn] [--steps 30]
                                             [--thresholds 1 2] [--modes keep abort wait]
-                                            [--reps 1] [--pin]
+                                            [--reps 1] [--pin | --pinned-only]
 
 `--mode M` is the same as `--modes M`. Configurations: `sync`, and `async_<mode>_<threshold>`
 for each of --modes (scheduler.update_mode: what the vLLM engine does with its running
@@ -125,15 +125,13 @@ def run_one(name: str, overrides: list[str], steps: int, workdir: Path, pin: boo
     return report.read_run(uri, steps, wall)
 
 
-def configurations(thresholds: list[int], modes: list[str], pin: bool) -> dict[str, list[str]]:
+def configurations(thresholds: list[int], modes: list[str], pins: list[str]) -> dict[str, list[str]]:
     """The configurations by name: `sync`, then `async_<mode>_<threshold>` for each update mode
-    and staleness threshold; with `pin`, each again as `<name>_pin`."""
+    and staleness threshold, each with each suffix of `pins` ("": shared cores, "_pin": pinned)."""
     configs = {"sync": ["scheduler=sync"]} | {
         f"async_{mode}_{k}": ["scheduler=async", f"scheduler.staleness_threshold={k}",
                               f"scheduler.update_mode={mode}"] for mode in modes for k in thresholds}
-    if pin:
-        configs |= {f"{n}_pin": o for n, o in configs.items()}
-    return configs
+    return {f"{n}{pin}": o for pin in pins for n, o in configs.items()}
 
 
 def run_all(configs: dict[str, list[str]], workload: str, steps: int, reps: int) -> dict[str, list[dict]]:
@@ -166,7 +164,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pin", action="store_true",
                     help=f"also run each configuration with the trainer on core {DRIVER_CORE}, vLLM on "
                          f"core {ENGINE_CORE}")
+    ap.add_argument("--pinned-only", action="store_true", help="only the pinned runs (implies --pin)")
     args = ap.parse_args()
+    args.pin = args.pin or args.pinned_only
     if args.mode:
         args.modes = [args.mode]
     return args
@@ -174,7 +174,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    configs = configurations(args.thresholds, args.modes, args.pin)
+    pins = ["_pin"] if args.pinned_only else ["", "_pin"] if args.pin else [""]
+    configs = configurations(args.thresholds, args.modes, pins)
     results = run_all(configs, args.workload, args.steps, args.reps)
     med = report.medians(results)
     print(f"\nworkload {args.workload}, {args.steps} steps, {args.reps} rep(s), update modes "
@@ -183,7 +184,6 @@ def main() -> None:
     report.print_table("time, accuracy, idle, staleness, lengths:", med, report.MAIN_COLUMNS)
     report.print_table("weight updates (an update: a step that logged rollout/update_pause_s; sync has "
                        "none, so '-' per update):", med, report.UPDATE_COLUMNS)
-    pins = ["", "_pin"] if args.pin else [""]
     report.print_ratios(med, pins)
     report.print_headline(med, results, pins[-1])
 

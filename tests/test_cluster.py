@@ -1,10 +1,12 @@
 """cluster=ray on a real Ray cluster of three nodes on this host (tests/ray_nodes.py: a head
 with no CPUs, where this process connects, and two worker nodes) with a vLLM replica of the
 tiny model on each worker node: weights reach every replica, through Ray's object store
-across nodes too; a SIGKILLed replica is restarted on its node with the current weights
-while its requests finish elsewhere; a node that cannot read the model is named before
-anything starts; the ways of naming the cluster (cluster.address, RAY_ADDRESS, auto) join
-it. The RolloutPool's routing and fault handling over fake replicas: tests/test_pool.py."""
+across nodes too; an update mid-generation on both replicas (keep: nothing prefilled
+again, the tokens after it tagged with the new version; abort: the tokens each replica
+prefilled again, summed by the pool); a SIGKILLed replica is restarted on its node with the
+current weights while its requests finish elsewhere; a node that cannot read the model is
+named before anything starts; the ways of naming the cluster (cluster.address, RAY_ADDRESS,
+auto) join it. The RolloutPool's routing and fault handling over fake replicas: tests/test_pool.py."""
 
 import asyncio
 import os
@@ -13,13 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from rlexp.cluster.pool import RolloutPool
 from rlexp.errors import ConfigError
 from rlexp.sample import SamplingConfig
-from tests.engine_helpers import TEMPERATURE, _max_logprob_diff, _prompts, _trainer
+from tests.engine_helpers import TEMPERATURE, _max_logprob_diff, _prompts, _publish, _trainer
+from tests.test_engines_interrupted import _mid_generation, _new_weights
 
 RESTART_FAILSAFE_S = 600  # turns a restart that never comes into a failure
 
@@ -113,6 +117,78 @@ def test_after_a_weight_update_every_replica_returns_the_trainers_logprobs(ray_p
 
 async def _ready(pool):
     return await asyncio.gather(*(a.ready.remote() for a in pool.actors))
+
+
+def _watch(replica, tokens: int) -> None:
+    """In a replica's process (Ray's `__ray_call__`): once one of its requests has streamed
+    `tokens` tokens from vLLM and is not finished, its engine's `mid_flight()` (reached by
+    `call_engine`) stops the engine process there (SIGSTOP) until `_go`: the other replica,
+    however far behind on a loaded machine, gets there too before the update."""
+    mid = _mid_generation(replica.engine, 1, tokens)
+
+    async def held() -> None:
+        await mid.wait()
+        replica.held = [p for p in psutil.Process().children() if "EngineCore" in " ".join(p.cmdline())]
+        for p in replica.held:
+            p.suspend()
+
+    replica.engine.mid_flight = held
+
+
+def _go(replica) -> None:
+    """The replica's engine process goes on; vLLM's own generate again, no more watching."""
+    for p in getattr(replica, "held", []):
+        p.resume()
+    replica.held = []
+    replica.engine.__dict__.pop("mid_flight", None)
+    replica.engine.llm.__dict__.pop("generate", None)
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_an_update_mid_generation_on_both_replicas_and_the_tokens_they_prefilled_again(ray_pool,
+                                                                                     tiny_model_path,
+                                                                                     tokenizer, mode):
+    """Long generations on both replicas, a weight update while each replica has one running:
+    every generation goes on to its full length, its tokens after the update tagged with the
+    new version. keep: no replica prefilled anything again (the pool's sum: 0), the tokens after
+    the update mixed; abort: each replica re-sent its cut-short requests, and the pool's
+    `busy.prefilled_again` (rlexp/step.py's rollout/prefilled_again_tokens) is their sum."""
+    pool = _fresh(ray_pool)
+    trainer = _trainer(tiny_model_path)
+    prompts = _prompts(tokenizer)[:2] * 2  # 2 per replica (least loaded), different prompts on each
+    long = [SamplingConfig(TEMPERATURE, 1.0, 96, seed=i, ignore_eos=True) for i in range(len(prompts))]
+
+    def go():
+        return asyncio.gather(*(a.__ray_call__.remote(_go) for a in pool.actors))
+
+    async def main():
+        await _publish(trainer, pool, version=0)
+        await asyncio.gather(*(a.__ray_call__.remote(_watch, 8) for a in pool.actors))
+        try:
+            held = asyncio.gather(*(a.call_engine.remote("mid_flight") for a in pool.actors))
+            reqs = [asyncio.create_task(pool.generate(p, s)) for p, s in zip(prompts, long)]
+            # (a request that fails instead stops the wait: the test fails below)
+            await asyncio.wait([held, asyncio.gather(*reqs)], return_when=asyncio.FIRST_COMPLETED)
+            await go()  # both replicas mid-generation: on, and the update right away
+            await _new_weights(trainer, pool, mode)
+            return await asyncio.gather(*reqs)
+        finally:
+            await go()
+
+    gens = asyncio.run(main())
+    m, again = pool.pop_replica_metrics(), [r.prefilled_again for r in pool.replica_busy]
+    print(f"{mode}: tokens prefilled again per replica {again}, the pool's sum {pool.busy.prefilled_again}; "
+          f"tokens before the update {[g.versions.count(0) for g in gens]}")
+    assert m["replica/0/requests"] == m["replica/1/requests"] == 2
+    assert all(len(g.token_ids) == len(g.versions) == 96 and g.finish_reason == "length" for g in gens)
+    assert all(g.versions[0] == 0 and g.versions[-1] == 1 and g.versions == sorted(g.versions)
+               for g in gens), [g.versions.count(0) for g in gens]
+    mixed = [(g.mixed_from, g.context_version) for g in gens]
+    assert mixed == ([(g.versions.index(1), 0) for g in gens] if mode == "keep" else [(None, None)] * 4)
+    assert pool.busy.prefilled_again == sum(again)
+    assert all(a > 0 for a in again) if mode == "abort" else again == [0, 0]
 
 
 @pytest.mark.ray

@@ -32,22 +32,23 @@ class FakeReplica:
 
     def __init__(self, index: int):
         self.index, self.version, self.loads, self.paused = index, 0, [], None
+        self.again = 0  # tokens it says it prefilled again, with each reply
         self.dead = False  # True: calls raise as a dead Ray actor's do
         self.restarting = True  # while dead: Ray brings it back
         self.gate = asyncio.Event()
         self.gate.set()
-        for name in ("generate", "ready", "pause", "resume", "load_weights", "sleep", "wake_up"):
+        for name in ("generate_counted", "ready", "pause", "resume", "load_weights", "sleep", "wake_up"):
             setattr(self, name, _Remote(getattr(self, "_" + name)))
 
     def _check(self):
         if self.dead:
             raise ActorDiedError()
 
-    async def _generate(self, ids, sampling, images=None):
+    async def _generate_counted(self, ids, sampling, images=None):
         self._check()
         await self.gate.wait()
         self._check()
-        return Generation([self.index] * 3, [-0.5] * 3, "length", [self.version] * 3)
+        return Generation([self.index] * 3, [-0.5] * 3, "length", [self.version] * 3), self.again
 
     async def _ready(self):
         if self.dead and self.restarting:
@@ -109,14 +110,19 @@ def test_requests_go_to_the_least_loaded_replica_and_a_conversation_stays_on_one
 
 def test_tokens_are_counted_from_the_generations_that_come_back():
     async def main():
-        pool, _ = _pool()
+        pool, (a, b) = _pool()
         meter = [0]
         generated_tokens.set(meter)
+        a.again, b.again = 1, 10  # each reply's tokens prefilled again on its replica
         await asyncio.gather(*(pool.generate([1], SAMPLING) for _ in range(5)))
         assert meter == [15] and pool.busy.tokens == 15
         m = pool.pop_replica_metrics()
         assert m["replica/0/tokens"] + m["replica/1/tokens"] == 15
         assert m["replica/0/requests"] + m["replica/1/requests"] == 5
+        # the step's rollout/prefilled_again_tokens: the sum over the replicas
+        assert pool.busy.prefilled_again == m["replica/0/requests"] + 10 * m["replica/1/requests"]
+        assert [r.prefilled_again for r in pool.replica_busy] == [m["replica/0/requests"],
+                                                                   10 * m["replica/1/requests"]]
 
     asyncio.run(main())
 

@@ -62,7 +62,7 @@ class FakeReplica:
     def __init__(self, pid: int):
         self.pid, self.version, self.calls, self.dies = pid, 0, [], False
         self.ready, self.call_engine = _Remote(self._ready), _Remote(self._call)
-        self.generate = _Remote(self._gen)
+        self.generate_counted = _Remote(self._gen)
 
     async def _ready(self):
         return "node", self.pid, self.version
@@ -81,7 +81,7 @@ class FakeReplica:
         if self.dies:
             self.dies, self.pid, self.version = False, self.pid + 1, 0
             raise RayActorError()
-        return Generation([1], [-0.5], "stop", [self.version])
+        return Generation([1], [-0.5], "stop", [self.version]), 0  # nothing prefilled again
 
 
 class FakeSender:

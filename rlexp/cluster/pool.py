@@ -6,7 +6,10 @@ RolloutEngine Protocol, so schedulers, agents and the chat server use it unchang
 - Weights: pause / resume / weight updates fan out to every replica; generation resumes
   only once all of them serve the new version.
 - Accounting is counted here, from the generations that come back (the replicas' own
-  counters live in other processes).
+  counters live in other processes). The tokens prefilled again (a replica's engine re-sends a
+  request an abort pause cut short) are counted by each replica's engine; each reply brings
+  its replica's count since its last one, summed here into `busy.prefilled_again` (and per
+  replica into `replica_busy`): rlexp/step.py's `rollout/prefilled_again_tokens`.
 - Faults: a replica whose actor dies, or that does not answer a call within
   `call_timeout_s` (one call to one replica: rlexp/cluster/replica_calls.py), is taken out
   of routing; its requests are retried on the others (per-request seeds give the same
@@ -110,10 +113,10 @@ class RolloutPool(RolloutEngine):
                     failed.clear()
                     continue
                 raise EngineDead(self._none_left())
-            ref = self.actors[i].generate.remote(token_ids, sampling, images)
+            ref = self.actors[i].generate_counted.remote(token_ids, sampling, images)
             self._enter(i)
             try:
-                gen = await answer(ref, self.call_timeout_s, f"rollout replica {i}")
+                gen, again = await answer(ref, self.call_timeout_s, f"rollout replica {i}")
             except asyncio.CancelledError:
                 import ray
 
@@ -131,6 +134,8 @@ class RolloutPool(RolloutEngine):
             count_generated(n)
             self.busy.tokens += n
             self.replica_busy[i].tokens += n
+            self.busy.prefilled_again += again  # the sum over the replicas
+            self.replica_busy[i].prefilled_again += again
             return gen
 
     def _enter(self, i: int) -> None:

@@ -22,6 +22,7 @@ class EngineReplica:
 
         self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
         self._received = ObjectStoreReceiver()
+        self._again_told = 0  # the engine's prefilled-again tokens told to the pool so far
 
     def ready(self) -> tuple[str, int, int]:
         """(node id, pid, version): answers once the engine is up."""
@@ -32,6 +33,17 @@ class EngineReplica:
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list | None = None) -> Generation:
         return await self.engine.generate(token_ids, sampling, images)
+
+    async def generate_counted(self, token_ids: list[int], sampling: SamplingConfig,
+                               images: list | None = None) -> tuple[Generation, int]:
+        """`generate` (what the pool calls), and the tokens the engine prefilled again since
+        the last such reply (prompts and tokens re-sent after an abort pause; this
+        generation's own re-sends among them): the engine counts them in its process, the
+        pool adds them up over its replicas (RolloutPool.busy.prefilled_again)."""
+        gen = await self.engine.generate(token_ids, sampling, images)
+        total = self.engine.busy.prefilled_again
+        again, self._again_told = total - self._again_told, total
+        return gen, again
 
     async def pause(self, mode: UpdateMode) -> None:
         await self.engine.pause(mode)
