@@ -3,11 +3,12 @@
     .venv/bin/python bench/rollout_overhead.py [--reps 20 --batches 4 --streaming]
 
 Both paths use one vLLM AsyncLLM, the same prompts, the same seeds and the same
-SamplingParams, so they generate the same tokens. The raw path calls `AsyncLLM.generate`
-directly, one request with n = samples per prompt for each prompt group (what rlexp's
-engine sends); the rlexp path goes through DataManager -> SyncScheduler -> SingleTurnAgent
--> VLLMEngine -> Judge, plus trace capture as the loop's tracker does it (each sample's
-trace line handed to the run's MLflow writer process, which stores the step's trace file:
+SamplingParams (logprobs as flat lists, no text), so they generate the same tokens. The raw
+path calls `AsyncLLM.generate` directly, one request with n = samples per prompt for each
+prompt group (what rlexp's engine sends); the rlexp path goes through DataManager ->
+SyncScheduler -> SingleTurnAgent (a prompt group in one coroutine: `rollout_group`) ->
+VLLMEngine -> Judge, plus trace capture as the loop's tracker does it (each sample's trace
+line handed to the run's MLflow writer process, which stores the step's trace file:
 `MlflowTracker.log_samples`, into an MLflow store in a temporary directory).
 
 A repetition is `--batches` batches (the default experiment's 32 prompts x 8 samples each),
@@ -40,6 +41,7 @@ from rlexp.chat.render import render_prompt
 from rlexp.data.manager import DataManager
 from rlexp.data.sources import ArithmeticSource
 from rlexp.judges.math_exact import MathExactJudge
+from rlexp.rollout.each import generate_each
 from rlexp.rollout.vllm_engine import VLLMEngine
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.tracking.mlflow_tracker import MlflowTracker
@@ -63,7 +65,7 @@ async def raw_vllm(engine: VLLMEngine, tokenizer, args, rep: int) -> tuple[int, 
 
     async def one(i, prompt, seed, n):
         params = SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=args.max_tokens,
-                                seed=seed, logprobs=0, detokenize=False, n=n)
+                                seed=seed, logprobs=0, flat_logprobs=True, detokenize=False, n=n)
         final: dict[int, int] = {}
         request = {"prompt_token_ids": prompt}
         async for out in engine.llm.generate(request, params, request_id=f"raw{rep}-{i}"):
@@ -89,6 +91,9 @@ class Streamed:
 
     async def generate(self, token_ids, sampling, images=None):
         return await self.engine.generate_streaming(token_ids, sampling, lambda ids, lps: None, images)
+
+    async def generate_group(self, token_ids, samplings):
+        return await generate_each(self, token_ids, samplings)
 
 
 async def rlexp_path(engine, tokenizer, args, rep: int, tracker: MlflowTracker) -> tuple[int, float]:

@@ -45,8 +45,23 @@ def rollout_metrics(batch: list[Sample], version: int) -> dict[str, float]:
         "rollout/staleness_mean": sum(k * n for k, n in staleness.items()) / n,
         "rollout/staleness_max": float(max(staleness, default=0)),
         **{f"rollout/staleness_hist/{k}": float(c) for k, c in staleness.items()},
+        **version_spread(done, version),
         **expert_load([s.trace.routed_experts for s in done]),
     }
+
+
+def version_spread(done: list[Sample], version: int) -> dict[str, float]:
+    """Tokens per policy version within the trajectories: the mean number of versions whose
+    tokens one trained sample holds (1 unless a weight update met it mid-trajectory), and the
+    trained tokens by their own staleness (`rollout/token_staleness_hist/<k>`)."""
+    per_token: Counter[int] = Counter()
+    versions = 0
+    for s in done:
+        trained = [v for v, m in zip(s.versions, s.loss_mask) if m]
+        per_token.update(trained)
+        versions += len(set(trained))
+    return {"rollout/versions_per_sample_mean": versions / max(len(done), 1),
+            **{f"rollout/token_staleness_hist/{version - v}": float(c) for v, c in sorted(per_token.items())}}
 
 
 def expert_load(routings: list) -> dict[str, float]:

@@ -5,6 +5,7 @@ rollout and sync/async parity with real vLLM are tested in test_engines_interrup
 import asyncio
 import random
 import time
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -173,6 +174,14 @@ def test_keep_updates_weights_under_frozen_generations_and_marks_their_mixed_tok
         assert s.oldest_version == context
         mixed += len(s.tokens) - first_newer
     assert sum(m["rollout/mixed_tokens"] for m in metrics) == mixed > 0
+    for batch, version, m in zip(trainer.batches, trainer.versions, metrics):  # tokens per version
+        trained = [s for s in batch if s.status == Status.COMPLETED]
+        spread = [len(set(s.versions[3:])) for s in trained]
+        assert m["rollout/versions_per_sample_mean"] == sum(spread) / len(trained)
+        prefix = "rollout/token_staleness_hist/"
+        hist = {int(k[len(prefix):]): v for k, v in m.items() if k.startswith(prefix)}
+        assert hist == Counter(version - v for s in trained for v in s.versions[3:])
+    assert any(m["rollout/versions_per_sample_mean"] > 1 for m in metrics)
 
 
 def test_wait_lets_running_generations_finish_before_the_update():
@@ -182,8 +191,9 @@ def test_wait_lets_running_generations_finish_before_the_update():
     assert all(len(set(s.versions[3:])) == 1 for b in trainer.batches for s in b)
 
 
-def test_tail_batch_sets_long_groups_aside_and_trains_them_later():
-    sched = AsyncScheduler(staleness_threshold=2, update_mode="abort",
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_tail_batch_sets_long_groups_aside_and_trains_them_later(mode):
+    sched = AsyncScheduler(staleness_threshold=2, update_mode=mode,
                            tail_batch_candidate_step=1, tail_batch_trigger_size=2)
     trainer, engine, metrics = asyncio.run(_train(sched, steps=16, fit_s=0.02, token_s=0.001,
                                                   mean_len=12, max_tokens=200))
