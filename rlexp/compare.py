@@ -8,8 +8,8 @@ the sweep started), else MLFLOW_TRACKING_URI. Writes compare.md, compare.csv and
 PNG plots into the sweep dir: eval accuracy and training reward against step and against
 wall-clock time, one line per job; and, where jobs differ only by `seed`, per setting (the
 jobs' values of the other swept keys): a table of means and seed spread, eval accuracy as the
-seeds' mean with a min-max band, the staleness histogram of the trained samples, and the
-trainer/rollout mismatch per staleness value."""
+seeds' mean with a min-max band (against step, wall-clock and tokens sampled), the staleness
+histogram of the trained samples, and the trainer/rollout mismatch per staleness value."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from rlexp.compare_plots import history, plot_settings
 from rlexp.tracking.sweep import SWEEP_TAG, read_sweep
 
 COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollout_tok_s",
@@ -30,9 +31,6 @@ COLUMNS = ["job", "run", "status", "eval_final", "eval_best", "wall_min", "rollo
 SETTING_COLUMNS = ["setting", "seeds", "eval_final", "eval_auc", "auc_vs_first", "wall_min",
                    "staleness_mean", "mismatch_kl", "ratio_mean", "clip_frac", "expired",
                    "reward_last10", "entropy_last10", "length_last10"]
-# per setting, the seeds' mean by step: how the training batch moved, beside held-out accuracy
-TRAINING_CURVES = {"rollout/reward_mean": "reward (training samples)", "train/entropy": "entropy",
-                   "rollout/response_length_mean": "response length (tokens)"}
 EXPIRED = "samples/expired"
 
 
@@ -53,10 +51,6 @@ def find_sweep(target: str, tracking_uri: str | None) -> tuple[MlflowClient, str
     parent = client.get_run(target)
     sweep_dir = parent.data.tags.get(SWEEP_TAG)
     return client, target, Path(sweep_dir) if sweep_dir and Path(sweep_dir).is_dir() else None
-
-
-def history(client, run_id: str, key: str) -> list:
-    return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
 
 
 def summarize(client, run) -> dict:
@@ -190,100 +184,6 @@ def summarize_setting(client, name: str, runs, first: dict[str, float]) -> dict:
         "entropy_last10": spread(per_seed(mean_metric("train/entropy", 10))),
         "length_last10": spread(per_seed(mean_metric("rollout/response_length_mean", 10))),
     }
-
-
-def plot_settings(client, groups: dict[str, list], out: Path) -> list[Path]:
-    """Eval accuracy (seeds' mean, min-max band) by step and by wall-clock; the training curves
-    (reward, entropy, length); the staleness histogram of trained samples; the trainer/rollout
-    mismatch per staleness value."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return [_plot_eval(plt, client, groups, out / "compare_settings_eval_accuracy.png"),
-            _plot_training(plt, client, groups, out / "compare_settings_training.png"),
-            _plot_staleness(plt, client, groups, out / "compare_settings_staleness.png")]
-
-
-def _plot_eval(plt, client, groups: dict[str, list], path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, runs in groups.items():
-        curves = [history(client, r.info.run_id, "eval/accuracy") for r in runs]
-        steps = sorted(set.intersection(*({m.step for m in c} for c in curves)))
-        if not steps:
-            continue
-        at = [{m.step: m for m in c} for c in curves]
-        acc = [[a[s].value for a in at] for s in steps]
-        minutes = [statistics.fmean((a[s].timestamp - r.info.start_time) / 60000 for a, r in zip(at, runs))
-                   for s in steps]
-        for ax, x in ((axes[0], steps), (axes[1], minutes)):
-            label = f"{name} (n={len(runs)})"
-            (line,) = ax.plot(x, [statistics.fmean(v) for v in acc], marker=".", label=label)
-            ax.fill_between(x, [min(v) for v in acc], [max(v) for v in acc], alpha=0.15,
-                            color=line.get_color())
-    axes[0].set_xlabel("step")
-    axes[1].set_xlabel("wall-clock (minutes since the job started)")
-    for ax in axes:
-        ax.set_ylabel("eval/accuracy (mean over seeds, band = min..max)")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _plot_training(plt, client, groups: dict[str, list], path: Path) -> Path:
-    fig, axes = plt.subplots(1, len(TRAINING_CURVES), figsize=(15, 4))
-    for ax, (key, label) in zip(axes, TRAINING_CURVES.items()):
-        for name, runs in groups.items():
-            by_step: dict[int, list[float]] = defaultdict(list)
-            for r in runs:
-                for m in history(client, r.info.run_id, key):
-                    by_step[m.step].append(m.value)
-            steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))
-            ax.plot(steps, [statistics.fmean(by_step[s]) for s in steps], label=name, lw=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{label}, mean over seeds")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _plot_staleness(plt, client, groups: dict[str, list], path: Path) -> Path:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / max(len(groups), 1)
-    for i, (name, runs) in enumerate(groups.items()):
-        hist: dict[int, float] = defaultdict(float)
-        kl: dict[int, list[float]] = defaultdict(list)
-        for r in runs:
-            rid = r.info.run_id
-            for key in client.get_run(rid).data.metrics:
-                if key.startswith("rollout/staleness_hist/"):
-                    hist[int(key.rsplit("/", 1)[1])] += sum(m.value for m in history(client, rid, key))
-                if key.startswith("offpolicy/mismatch_kl/staleness_"):
-                    kl[int(key.rsplit("_", 1)[1])] += [m.value for m in history(client, rid, key)]
-        total = sum(hist.values()) or 1.0
-        ks = sorted(hist)
-        axes[0].bar([k + i * width for k in ks], [hist[k] / total for k in ks], width, label=name)
-        ks = sorted(kl)
-        axes[1].bar([k + i * width for k in ks], [statistics.median(kl[k]) for k in ks], width, label=name)
-    axes[0].set_xlabel("staleness of a trained sample (policy versions)")
-    axes[0].set_ylabel("share of trained samples")
-    axes[1].set_xlabel("staleness of a trained token")
-    axes[1].set_ylabel("k3 KL(trainer || rollout), median over steps")
-    axes[1].set_yscale("symlog", linthresh=1e-3)
-    for ax in axes:
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 def compare(target: str, tracking_uri: str | None = None, out_dir: str | None = None) -> Path:

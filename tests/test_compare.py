@@ -58,3 +58,14 @@ def test_jobs_that_differ_only_by_seed_are_one_setting(sweep):
     for png in ("compare_settings_eval_accuracy.png", "compare_settings_training.png",
                 "compare_settings_staleness.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokens_sampled_count_trained_and_untrained_tokens_up_to_each_step(tmp_path):
+    from rlexp.compare_plots import sampled_tokens
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/m.db")
+    run = client.create_run(client.create_experiment("t")).info.run_id
+    for step, tokens in ((1, 10.0), (2, 20.0), (3, 30.0)):
+        client.log_metric(run, "rollout/tokens", tokens, step=step)
+    client.log_metric(run, "rollout/untrained_tokens", 5.0, step=2)
+    assert sampled_tokens(client, run) == {1: 10.0, 2: 35.0, 3: 65.0}
