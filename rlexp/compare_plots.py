@@ -70,10 +70,7 @@ def _plot_eval(plt, client, groups: dict[str, list], path: Path) -> Path:
         ax.set_ylabel("eval/accuracy (mean over seeds, band = min..max)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _plot_training(plt, client, groups: dict[str, list], path: Path) -> Path:
@@ -90,10 +87,7 @@ def _plot_training(plt, client, groups: dict[str, list], path: Path) -> Path:
         ax.set_ylabel(f"{label}, mean over seeds")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _plot_staleness(plt, client, groups: dict[str, list], path: Path) -> Path:
@@ -122,9 +116,12 @@ def _plot_staleness(plt, client, groups: dict[str, list], path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3, axis="y")
     axes[0].legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
+    """Lay `fig` out, write it to `path` and free it."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
