@@ -118,10 +118,13 @@ class StackSampler:
     def start(self) -> None:
         self._thread.start()
 
-    def phase(self, name: str | None) -> None:
+    def phase(self, name: str | None) -> float:
         """The step's phase from now on; None stops the clock (warm-up, the end). The change is
-        timed here, by the caller: the sampler thread may wait for the GIL for a while."""
-        self._changes.append((time.perf_counter(), name))
+        timed here, by the caller: the sampler thread may wait for the GIL for a while. Returns
+        the time of the change (`time.perf_counter`)."""
+        when = time.perf_counter()
+        self._changes.append((when, name))
+        return when
 
     def stop(self) -> None:
         self._stop.set()
