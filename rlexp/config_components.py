@@ -114,7 +114,7 @@ def _check_graders(cfg: DictConfig) -> None:
 def _check_update_mode(cfg: DictConfig) -> None:
     """A scheduler's `update_mode` is one its rollout engine can do (`update_modes`)."""
     mode = OmegaConf.select(cfg, "scheduler.update_mode")
-    if mode is None:  # a scheduler that never pauses the engine (scheduler=sync)
+    if mode in (None, "auto"):  # a scheduler that never pauses the engine (sync); auto: any engine
         return
     modes = declares(cfg.rollout, "rollout", RolloutEngine, "update_modes")
     if mode not in modes:

@@ -29,3 +29,5 @@ PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
 # What a rollout engine does with its running generations at a weight update (scheduler.update_mode)
 UpdateMode = Literal["keep", "abort", "wait"]
+# scheduler.update_mode: one of those, or auto (keep where the engine can, else abort)
+UpdateModeSetting = Literal["auto", "keep", "abort", "wait"]

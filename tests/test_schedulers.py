@@ -184,6 +184,38 @@ def test_keep_updates_weights_under_frozen_generations_and_marks_their_mixed_tok
     assert any(m["rollout/versions_per_sample_mean"] > 1 for m in metrics)
 
 
+class PauseRecorder(TimedEngine):
+    """A TimedEngine that records the mode of every pause; `modes`: what it says it can do."""
+
+    def __init__(self, modes: tuple[str, ...]):
+        super().__init__(0.0005)
+        self.update_modes, self.paused_with = modes, []
+
+    async def pause(self, mode: str) -> None:
+        self.paused_with.append(mode)
+        await super().pause(mode if mode in self.update_modes else "wait")
+
+
+@pytest.mark.parametrize(("modes", "setting", "expected"), [
+    (("keep", "abort", "wait"), "auto", "keep"),  # vLLM's: keep, nothing prefilled again
+    (("abort", "wait"), "auto", "abort"),  # rollout=hf's: it cannot keep
+    (("keep", "abort", "wait"), "abort", "abort"),  # a mode set is the mode used
+    (("keep", "abort", "wait"), "wait", "wait"),
+])
+def test_update_mode_auto_keeps_where_the_engine_can_else_aborts(modes, setting, expected):
+    async def main():
+        engine, sched = PauseRecorder(modes), AsyncScheduler(1, update_mode=setting)
+        for version in (1, 2):
+            await sched.sync_weights(engine, _noop, version)
+        return engine.paused_with
+    assert AsyncScheduler().update_mode == "auto"  # the default
+    assert asyncio.run(main()) == [expected, expected]
+
+
+async def _noop() -> None:
+    pass
+
+
 def test_wait_lets_running_generations_finish_before_the_update():
     sched = AsyncScheduler(staleness_threshold=2, update_mode="wait")
     trainer, *_ = asyncio.run(_train(sched, steps=10, fit_s=0.01, token_s=0.002, mean_len=30,

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from rlexp.constraints import AtLeast0, UpdateMode
+from rlexp.constraints import AtLeast0, UpdateMode, UpdateModeSetting
 from rlexp.data.manager import DataManager
 from rlexp.errors import SyncMismatch
 from rlexp.protocols import Agent, RolloutEngine
@@ -65,6 +65,14 @@ def fresh_copies(group: list[Sample]) -> list[Sample]:
                    metadata=dict(s.metadata)) for s in group]
 
 
+def engine_update_mode(setting: UpdateModeSetting, modes: tuple[str, ...]) -> UpdateMode:
+    """The mode an engine that can do `modes` pauses with: `setting`, or for auto keep where it
+    can (nothing prefilled again: docs/async.md "Keep or abort: measured"), else abort."""
+    if setting != "auto":
+        return setting
+    return "keep" if "keep" in modes else "abort"
+
+
 class AsyncScheduler:
     """Knobs (versions = weight updates; B = `data.prompts_per_step` groups per batch):
 
@@ -73,9 +81,10 @@ class AsyncScheduler:
       + over_sample_groups, so at most about η batches run ahead of the trainer.
       A group that gets too stale anyway (waiting, or still in flight) is EXPIRED.
     - update_mode: what a weight update does with the generations in flight (docs/async.md):
-      keep (an in-flight update: the engine pauses with their requests and KV cache, loads
-      the weights and resumes them, nothing prefilled again; the tokens after the update are
-      the new weights' over KV the old ones wrote), abort (cut short, continued under the new
+      auto (the default: keep where the rollout engine can, as vLLM can, else abort), keep
+      (an in-flight update: the engine pauses with their requests and KV cache, loads the
+      weights and resumes them, nothing prefilled again; the tokens after the update are the
+      new weights' over KV the old ones wrote), abort (cut short, continued under the new
       weights from their tokens, prompt and tokens prefilled again), wait (the update waits
       until they finish). Every token keeps the version that produced it.
     - tail_batch_candidate_step c (1..η, 0 = off): a group still in flight after c weight
@@ -95,7 +104,7 @@ class AsyncScheduler:
 
     overlaps_training = True  # generates while the trainer trains
 
-    def __init__(self, staleness_threshold: AtLeast0 = 1, update_mode: UpdateMode = "abort",
+    def __init__(self, staleness_threshold: AtLeast0 = 1, update_mode: UpdateModeSetting = "auto",
                  tail_batch_candidate_step: AtLeast0 = 0, tail_batch_trigger_size: AtLeast0 = 0,
                  over_sample_groups: AtLeast0 = 0, filter_zero_variance: bool = False,
                  pause_for_eval: bool = True):
@@ -103,6 +112,7 @@ class AsyncScheduler:
         self.pause_for_eval = pause_for_eval
         self.staleness_threshold = staleness_threshold
         self.update_mode = update_mode
+        self._mode_used: str | None = None  # what `update_mode` resolved to, logged once
         self.tail_candidate_step = tail_batch_candidate_step
         self.tail_trigger_size = tail_batch_trigger_size
         self.over_sample_groups = over_sample_groups
@@ -163,7 +173,11 @@ class AsyncScheduler:
         self._syncing = True  # no launches while the engine is paused
         paused = time.perf_counter()
         try:
-            await engine.pause(self.update_mode)
+            mode = engine_update_mode(self.update_mode, engine.update_modes)
+            if mode != self._mode_used:
+                log.info("weight updates: update_mode=%s (set: %s)", mode, self.update_mode)
+                self._mode_used = mode
+            await engine.pause(mode)
             try:
                 await publish()
             finally:
