@@ -3,6 +3,7 @@ import contextlib
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +34,9 @@ TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_st
 # another on one worker, because `cluster.address=auto` joins the newest cluster started on the
 # host, whichever test started it.
 RAY_FILES = ("test_cluster.py", "test_cluster_runs.py", "test_pool_bounds.py", "test_ray_gpu.py")
+# The files of tests/server_vllm/, whose engine is package-scoped: run on one worker without
+# other files in between, it starts once.
+SERVER_VLLM_FILES = tuple(sorted(p.name for p in (Path(__file__).parent / "server_vllm").glob("test_*.py")))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,14 +47,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
-    cost = group_seconds((work_unit(item.nodeid) for item in items), {"ray": RAY_FILES})
+    cost = group_seconds((work_unit(item.nodeid) for item in items),
+                         {"ray": RAY_FILES, "server_vllm": SERVER_VLLM_FILES})
     items.sort(key=lambda item: -cost[work_unit(item.nodeid)])  # stable: a file's tests keep their order
 
 
 def work_unit(nodeid: str) -> str:
-    """What one worker runs as a whole: a test file (its module's engine starts once), or the
-    Ray files together."""
-    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    """What one worker runs as a whole: a test file (its module's engine starts once), the
+    Ray files together, or tests/server_vllm/ together (its package's engine starts once)."""
+    directory, _, name = nodeid.split("::")[0].rpartition("/")
+    if directory.rsplit("/", 1)[-1] == "server_vllm":
+        return "server_vllm"
     return "ray" if name in RAY_FILES else name
 
 
@@ -117,8 +124,8 @@ def rlexp_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def run_models(rlexp_cache):
-    """`model.cache_dir` of the whole-run tests (test_run, test_resume, test_sweep), the
-    session's default one: their runs build the same tiny model (same arguments, same cache
+    """`model.cache_dir` of the whole-run tests (test_run, test_resume, test_sweep and others),
+    the session's default one: their runs build the same tiny model (same arguments, same cache
     key), so it is built once."""
     return rlexp_cache / "models"
 

@@ -3,13 +3,17 @@ student's tokens through the text; and the teachers a run refuses before any eng
 (another vocabulary without align, an unreachable server, a distillation term without a
 teacher), each in one line."""
 
+import re
 import socket
 
 import pytest
 
+from rlexp.config import validate
+from rlexp.errors import ConfigError
 from rlexp.models.tiny_bpe import build_bpe_model
 from rlexp.teachers.serve import serve_command
 from tests.distill_helpers import distill_run, mlflow_run, refused, student
+from tests.test_config import _compose
 
 
 @pytest.mark.slow
@@ -47,14 +51,19 @@ def test_an_unreachable_teacher_is_one_line(tmp_path, tiny_model_path):
     assert f"`{serve_command(name='t', port=port, max_model_len=257)}`" in line  # rollout.max_model_len + 1
 
 
+def test_a_distillation_term_without_a_teacher_is_one_line(tmp_path, tiny_model_path):
+    res, _ = distill_run(tmp_path, *student(tiny_model_path), "recipe=distill")
+    assert "advantage=distill needs a teacher" in refused(res)
+
+
 @pytest.mark.parametrize("overrides,said", [
-    (["recipe=distill"], "advantage=distill needs a teacher"),
     (["trainer.distill.kl_coef=0.5"], "trainer.distill.kl_coef needs a teacher"),
-    (["teacher=local", "teacher.model_path=MODEL", "trainer.distill.forward_kl_coef=1"], "teacher.top_k > 0"),
-    (["teacher=local", "teacher.model_path=MODEL", "recipe=distill", "trainer.distill.kl_coef=1"],
+    (["teacher=local", "teacher.model_path=/tmp/x", "trainer.distill.forward_kl_coef=1"],
+     "teacher.top_k > 0"),
+    (["teacher=local", "teacher.model_path=/tmp/x", "recipe=distill", "trainer.distill.kl_coef=1"],
      "advantage=distill is the reverse-KL advantage already"),
 ])
-def test_a_distillation_term_needs_its_teacher(tmp_path, tiny_model_path, overrides, said):
-    overrides = [o.replace("MODEL", tiny_model_path) for o in overrides]
-    res, _ = distill_run(tmp_path, *student(tiny_model_path), *overrides)
-    assert said in refused(res)
+def test_a_distillation_term_needs_its_teacher(overrides, said):
+    cfg = _compose(["experiment=smoke", *student("/tmp/x"), *overrides])
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        validate(cfg)

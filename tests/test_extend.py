@@ -166,11 +166,11 @@ class BuggyJudge(Judge):
 """
 
 
-def _run(tmp_path, *overrides, pythonpath):
+def _run(tmp_path, models, *overrides, pythonpath):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [sys.executable, "-m", "rlexp.run", "--config-dir", str(EXAMPLES / "conf"), "experiment=smoke",
            f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path}/artifacts",
-           f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
+           f"model.cache_dir={models}", "model.warm_start_steps=40",
            f"hydra.run.dir={tmp_path}/out", *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(map(str, pythonpath)))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
@@ -186,9 +186,9 @@ def test_a_run_with_the_users_judge_data_and_agent(tmp_path):
     functions (the example judge class is tested by hand above), the CSV source, the agent."""
     path = _csv(tmp_path, [(f"{a}+{b}=", a + b) for a in range(12) for b in range(6)])
     functions = "judge.functions=[my_rewards.accuracy,my_rewards.brevity]"
-    res, client, run = _run(tmp_path, "judge=reward_functions", functions, "judge.correct_function=accuracy",
-                            "data=csv", f"data.source.path={path}", "agent=hint", "agent.hint=' '",
-                            pythonpath=[EXAMPLES, ROOT])
+    res, client, run = _run(tmp_path, tmp_path / "models", "judge=reward_functions", functions,
+                            "judge.correct_function=accuracy", "data=csv", f"data.source.path={path}",
+                            "agent=hint", "agent.hint=' '", pythonpath=[EXAMPLES, ROOT])
     assert res.returncode == 0, res.stderr[-4000:]
     assert run.info.status == "FINISHED"
     assert run.data.params["judge._target_"] == "rlexp.judges.reward_functions.RewardFunctions"
@@ -200,12 +200,12 @@ def test_a_run_with_the_users_judge_data_and_agent(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_programming_error_in_a_users_judge_stops_the_run_and_keeps_what_was_logged(tmp_path):
+def test_a_programming_error_in_a_users_judge_stops_the_run_and_keeps_what_was_logged(tmp_path, run_models):
     """Exit code 3 with the user's traceback; the steps before it stay in MLflow (rollout=hf:
     the policy is irrelevant here, and it starts in a second)."""
     (tmp_path / "buggy.py").write_text(textwrap.dedent(BUGGY_JUDGE))
     calls_before_step_2 = 16 + 16  # the step-0 evaluation (16 prompts) and step 1 (4 x 4)
-    res, client, run = _run(tmp_path, "rollout=hf", "~judge", "+judge._target_=buggy.BuggyJudge",
+    res, client, run = _run(tmp_path, run_models, "rollout=hf", "~judge", "+judge._target_=buggy.BuggyJudge",
                             f"+judge.fail_after={calls_before_step_2}", pythonpath=[tmp_path, ROOT])
     assert res.returncode == 3, res.stderr[-4000:]
     assert "Traceback" in res.stderr and "buggy.py" in res.stderr

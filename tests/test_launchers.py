@@ -36,11 +36,6 @@ def slurm(tmp_path_factory):
     yield from run_slurm(tmp_path_factory.mktemp("slurm"))
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")  # the tiny model, built by the first job
-
-
 def _sweep_cmd(store: Path, models: Path, cpus: str, *overrides: str) -> list[str]:
     """A sweep of 2-step runs; each job asks for all the node's CPUs, so they run one at a time."""
     return [sys.executable, "-X", "faulthandler", "-m", "rlexp.run", "-m", "hydra/launcher=slurm",
@@ -53,7 +48,7 @@ def _sweep_cmd(store: Path, models: Path, cpus: str, *overrides: str) -> list[st
 
 
 @pytest.fixture
-def launch(slurm, models, tmp_path):
+def launch(slurm, run_models, tmp_path):
     """Starts the test's sweep in the background; at teardown a launcher still running (the test
     failed) is killed, and the module's teardown cancels its jobs."""
     started = []
@@ -61,7 +56,7 @@ def launch(slurm, models, tmp_path):
     def start(*overrides: str) -> subprocess.Popen:
         cpus = slurm_out(slurm, "sinfo", "-h", "-o", "%c").strip()
         with open(tmp_path / "launcher.log", "w") as log:
-            started.append(subprocess.Popen(_sweep_cmd(tmp_path, models, cpus, *overrides), cwd=ROOT,
+            started.append(subprocess.Popen(_sweep_cmd(tmp_path, run_models, cpus, *overrides), cwd=ROOT,
                                             env=slurm, stdout=log, stderr=subprocess.STDOUT, text=True))
         return started[-1]
 

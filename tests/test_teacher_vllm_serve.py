@@ -138,11 +138,12 @@ def test_vllm_servers_scores_are_teacher_locals(vllm_server, tiny_model_path, se
         finally:
             t.shutdown()
 
-    for a, b in zip(served, asyncio.run(in_engine())):
+    local_scores = asyncio.run(in_engine())
+    for a, b in zip(served, local_scores):
         assert len(a.logprobs) == len(b.logprobs)
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-5
         assert [set(t) for t in a.top] == [set(t) for t in b.top]
-    for s, a, b in zip(sequences, served, asyncio.run(in_engine())):
+    for s, a, b in zip(sequences, served, local_scores):
         if len(s) < 5:
             continue
         mask = [0] * 3 + [1] * (len(s) - 3)

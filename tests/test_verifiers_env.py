@@ -289,14 +289,14 @@ def test_a_broken_env_stops_the_run_in_preflight(tmp_path):
 
 
 @pytest.mark.slow
-def test_whole_run(tmp_path):
+def test_whole_run(tmp_path, run_models):
     require_venv()
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cmd = [sys.executable, "-m", "rlexp.run", "experiment=verifiers", "trainer.total_steps=2",
            f"logger.tracking_uri={uri}", f"logger.artifact_location={tmp_path}/artifacts",
-           "logger.experiment_name=test", f"model.cache_dir={tmp_path}/models", "model.warm_start_steps=40",
+           "logger.experiment_name=test", f"model.cache_dir={run_models}", "model.warm_start_steps=40",
            f"hydra.run.dir={tmp_path}/out", "data.prompts_per_step=2", "data.samples_per_prompt=2",
            "evaluator.prompts=4", "evaluator.every_n_steps=2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,  # not the checkout
