@@ -23,6 +23,7 @@ def check_components(cfg: DictConfig, images: bool) -> None:
     _check_judge_methods(cfg)
     _check_scheduler(cfg)
     _check_update_mode(cfg)
+    _check_adapter_transport(cfg)
     _check_cluster(cfg)
     _check_graders(cfg)
     if images:
@@ -120,6 +121,15 @@ def _check_update_mode(cfg: DictConfig) -> None:
     if mode not in modes:
         raise ConfigError(f"scheduler.update_mode={mode}: rollout._target_={cfg.rollout._target_} can "
                           f"do {' or '.join(modes)} at a weight update (keep needs rollout=vllm)")
+
+
+def _check_adapter_transport(cfg: DictConfig) -> None:
+    """A transport that sends a LoRA adapter goes to an engine that serves adapters."""
+    if not declares(cfg.get("weight_transfer"), "weight_transfer", WeightTransport, "sends_adapter"):
+        return
+    if not declares(cfg.rollout, "rollout", RolloutEngine, "serves_adapters"):
+        raise ConfigError(f"weight_transfer._target_={cfg.weight_transfer._target_} sends a LoRA adapter; "
+                          f"rollout._target_={cfg.rollout._target_} serves no adapter: use rollout=vllm")
 
 
 def _check_scheduler(cfg: DictConfig) -> None:

@@ -55,7 +55,7 @@ from rlexp.protocols import Agent, RolloutEngine, Scheduler, Teacher, Tracker, T
 from rlexp.sample import Sample
 from rlexp.schedulers.sync import SyncScheduler
 from rlexp.signals import StopOnSignals
-from rlexp.step import rl_step, sync_within
+from rlexp.step import outgoing, rl_step, sync_within
 from rlexp.teachers.scoring import Aligner, TeacherScoring
 from rlexp.trainer import update
 from rlexp.trainer.controller import TrainController
@@ -221,7 +221,7 @@ class RLLoop:
         assert self.trainer and self.engine and self.transport and self.scheduler and resumed.path
         self.trainer.load(resumed.path)
         self.version = resumed.version
-        await sync_within(self.transport, self.trainer.weights(), self.engine, self.version,
+        await sync_within(self.transport, outgoing(self.transport, self.trainer), self.engine, self.version,
                           self.cfg.sync_timeout_s)
         resumed.restore(self.scheduler)
         self.start_step = resumed.step

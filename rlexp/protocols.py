@@ -47,6 +47,7 @@ class RolloutEngine(Protocol):
     takes_images: bool = False  # `generate(images=...)`: a vision-language model's pictures
     constrains_replies: bool = False  # applies `SamplingConfig.constraint` (guided decoding)
     update_modes: tuple[str, ...] = ("abort", "wait")  # what `pause` can do (scheduler.update_mode)
+    serves_adapters: bool = False  # `load_adapter`: LoRA adapters on its base (weight_transfer=lora_adapter)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig,
                        images: list[Any] | None = None) -> Generation:

@@ -26,6 +26,14 @@ from rlexp.weights.protocols import NamedTensors, WeightTransport
 log = logging.getLogger("rlexp")
 
 
+def outgoing(transport: WeightTransport, trainer: Trainer) -> NamedTensors:
+    """What `transport` carries to the engine: the policy's full tensors, or a LoRA run's
+    adapter tensors for a transport that `sends_adapter` (weight_transfer=lora_adapter)."""
+    if getattr(transport, "sends_adapter", False):  # a transport of a test may not subclass the Protocol
+        return trainer.adapter_weights()  # type: ignore[attr-defined]  # TrainController's (sends_from_driver)
+    return trainer.weights()
+
+
 async def sync_within(transport: WeightTransport, weights: NamedTensors, engine: RolloutEngine, version: int,
                       timeout_s: float) -> None:
     """The transfer and the engine's reload, stopped with SyncHung past `timeout_s` (the run's
@@ -63,7 +71,8 @@ async def rl_step(scheduler: Scheduler, data: DataManager, agent: Agent, engine:
     await engine.wake_up()
     check_compared(train_metrics, version, to_compare)
     t2 = time.time()
-    publish = partial(sync_within, transport, trainer.weights(), engine, version + 1, sync_timeout_s)
+    weights = outgoing(transport, trainer)
+    publish = partial(sync_within, transport, weights, engine, version + 1, sync_timeout_s)
     await scheduler.sync_weights(engine, publish, version + 1)
     t3 = time.time()
     busy, generated = engine.busy.busy_s - busy0, engine.busy.tokens - tokens0

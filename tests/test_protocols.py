@@ -42,12 +42,14 @@ from rlexp.tools.zoom import Zoom
 from rlexp.tracking.mlflow_tracker import MlflowTracker
 from rlexp.trainer.controller import TrainController
 from rlexp.weights import protocols as W
+from rlexp.weights.adapter_file import AdapterFileTransport
 from rlexp.weights.object_store import ObjectStoreTransport
 from rlexp.weights.ram_file import RamFileTransport
 from rlexp.weights.vllm_ipc import VllmIpcTransport
 from rlexp.weights.vllm_nccl import VllmNcclTransport
 
-TRANSPORTS = (RamFileTransport, ObjectStoreTransport, VllmIpcTransport, VllmNcclTransport)
+TRANSPORTS = (RamFileTransport, ObjectStoreTransport, VllmIpcTransport, VllmNcclTransport,
+              AdapterFileTransport)
 SOURCES = (ArithmeticSource, JsonlSource, ParquetSource, HFDiskSource, HubSource, ShapesSource)
 FITS = [
     (VLLMEngine, P.RolloutEngine), (HFEngine, P.RolloutEngine), (RolloutPool, P.RolloutEngine),
@@ -131,15 +133,16 @@ def test_every_attribute_of_the_protocol_is_set(impl, protocol):
 
 def test_the_protocols_with_attributes_are_checked_for_them():
     assert _attributes(P.RolloutEngine) == {"version", "sampling", "max_model_len", "busy", "takes_images",
-                                            "constrains_replies", "update_modes"}
-    assert _attributes(W.WeightTransport) == {"engine_backend", "sends_from_driver"}
+                                            "constrains_replies", "update_modes", "serves_adapters"}
+    assert _attributes(W.WeightTransport) == {"engine_backend", "sends_from_driver", "sends_adapter"}
     assert _attributes(Cluster) == {"name", "multi_node", "placement", "trainer_workers", "distributed"}
     assert _attributes(PromptSource) == {"commit"} and _attributes(P.Tool) == {"spec", "reads_images"}
     assert "shutdown" in _methods(Cluster) and "rollout_engine" in _methods(Cluster)
 
 
 def test_the_transports_name_the_engine_side_they_need():
-    assert [t.engine_backend for t in TRANSPORTS] == [None, None, "ipc", "nccl"]
+    assert [t.engine_backend for t in TRANSPORTS] == [None, None, "ipc", "nccl", None]
+    assert [t.sends_adapter for t in TRANSPORTS] == [False, False, False, False, True]
 
 
 def test_the_checks_catch_a_component_that_does_not_fit():
@@ -151,7 +154,7 @@ def test_the_checks_catch_a_component_that_does_not_fit():
         test_every_method_of_the_protocol_is_there_with_its_parameters(OldJudge, P.Judge)
 
     class Transport:  # the methods, but no engine_backend
-        sends_from_driver = False
+        sends_from_driver = sends_adapter = False
 
         def __init__(self):
             self.backend = None
@@ -172,7 +175,7 @@ def test_the_checks_catch_a_component_that_does_not_fit():
             self.version, self.sampling = 0, None  # no max_model_len, no busy
 
     test_every_attribute_of_the_protocol_is_set(Engine, W.WeightTransport)
-    unset = "max_model_len|busy|takes_images|constrains_replies|update_modes"
+    unset = "max_model_len|busy|takes_images|constrains_replies|update_modes|serves_adapters"
     with pytest.raises(AssertionError, match=unset):
         test_every_attribute_of_the_protocol_is_set(Engine, P.RolloutEngine)
 
@@ -188,8 +191,8 @@ if TYPE_CHECKING:  # mypy rejects each return below if the class does not fit it
         return [v, p], p
 
     def _transports(a: RamFileTransport, b: ObjectStoreTransport, c: VllmIpcTransport,
-                    d: VllmNcclTransport) -> list[W.WeightTransport]:
-        return [a, b, c, d]
+                    d: VllmNcclTransport, e: AdapterFileTransport) -> list[W.WeightTransport]:
+        return [a, b, c, d, e]
 
     def _clusters(a: LocalCluster, b: RayCluster) -> list[Cluster]:
         return [a, b]

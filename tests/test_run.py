@@ -142,3 +142,20 @@ def test_async_run_stays_within_the_staleness_bound(tmp_path, run_models, new_st
         for row in _traces(client, run, step):
             versions = [v for v, m in zip(row["versions"], row["loss_mask"]) if m]
             assert step - 1 - min(versions) <= 2  # staleness, recomputed from the trace
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_lora_run_sends_only_its_adapter_and_every_sync_lands(tmp_path, run_models, new_store):
+    """weight_transfer=lora_adapter: vLLM serves the base model it loaded once with the
+    adapter sent at each sync (peft's files); the in-run check verifies each sync (it stops a
+    run whose engine serves other numbers: tests/test_lora_engine.py plants one)."""
+    client, run, res = _run_and_open(new_store(tmp_path), run_models, "trainer.lora.rank=8",
+                                     "weight_transfer=lora_adapter")
+    _check_mlflow(client, run)
+    assert run.data.params["weight_transfer._target_"] == "rlexp.weights.adapter_file.AdapterFileTransport"
+    assert run.data.params["rollout.max_lora_rank"] == "8"
+    diffs = _history(client, run, "sync/logprob_diff_max")
+    assert len(diffs) == 3 and max(diffs) <= 1e-4  # every sync checked, the adapter's numbers (float32)
+    assert _history(client, run, "sync/tokens")[0] > 0
+    assert "(LoRA rank 8)" in res.stdout + res.stderr  # the trainer trained adapters only

@@ -53,6 +53,7 @@ class RolloutPool(RolloutEngine):
     comes back from its replica whole: `generate_streaming` is the Protocol's default."""
 
     update_modes: tuple[str, ...] = ("keep", "abort", "wait")  # its replicas' (VLLMEngine's)
+    serves_adapters = False  # LoRA runs reach the replicas merged (weight_transfer=lora_adapter is local)
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,

@@ -23,6 +23,7 @@ from rlexp.weights.files import WEIGHTS_FILE, read_shared
 class HFEngine:
     takes_images = False
     update_modes: tuple[str, ...] = ("abort", "wait")  # abort waits (see `pause`)
+    serves_adapters = False  # LoRA runs reach it merged
     constrains_replies = False  # a `SamplingConfig.constraint` is not applied
 
     def __init__(

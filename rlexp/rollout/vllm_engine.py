@@ -8,24 +8,25 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from rlexp import orphans
-from rlexp.constraints import AtLeast1, AtLeast2, Dtype, Temperature, TopP, UpdateMode
+from rlexp.constraints import AtLeast0, AtLeast1, AtLeast2, Dtype, Temperature, TopP
 from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.each import generate_each
+from rlexp.rollout.vllm_adapters import Adapters, lora_args
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.rollout.vllm_liveness import engine_alive, watched
 from rlexp.rollout.vllm_outputs import Segments, prompt_scores, reply, report_new
 from rlexp.rollout.vllm_sampling import groupable, one_request, sampling_params
 from rlexp.rollout.vllm_transfer import NativeTransfer
+from rlexp.rollout.vllm_updates import WeightUpdates
 from rlexp.sample import Generation, PromptLogprobs, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def cache_salt(version: int) -> str:
     return f"v{version}"
 
 
-class VLLMEngine(NativeTransfer):
+class VLLMEngine(NativeTransfer, WeightUpdates):
     """An in-process `AsyncLLM` (its engine core runs in a child process).
 
     Weights: `load_weights` reloads a safetensors file in place in the engine's workers,
@@ -47,6 +48,7 @@ class VLLMEngine(NativeTransfer):
 
     takes_images = True  # a vision-language model's images (`generate(images=...)`)
     update_modes: tuple[str, ...] = ("keep", "abort", "wait")
+    serves_adapters = True  # LoRA adapters by name (rollout.max_lora_rank > 0; rlexp/rollout/vllm_updates.py)
     constrains_replies = True  # `SamplingConfig.constraint`: regex / JSON-schema structured outputs
 
     def __init__(
@@ -70,16 +72,24 @@ class VLLMEngine(NativeTransfer):
         gpus_per_replica: AtLeast1 = 1,
         routing_capture: bool = False,
         group_requests: bool = True,
+        max_lora_rank: AtLeast0 = 0,
+        max_loras: AtLeast1 = 1,
+        max_cpu_loras: AtLeast1 = 4,
     ):
         """routing_capture: each Generation carries the experts every MoE layer chose per computed
         token (`routed_experts`): vLLM's on a GPU, rlexp's worker hook on the CPU (vllm_routing.py).
         group_requests: a prompt group's requests go out as one request with n (the same tokens;
-        rlexp/rollout/vllm_groups.py); false sends each sample as its own request."""
+        rlexp/rollout/vllm_groups.py); false sends each sample as its own request.
+        max_lora_rank: serve LoRA adapters of up to this rank (0: none; rlexp/rollout/vllm_adapters.py),
+        `max_loras` of them in one engine step, `max_cpu_loras` kept loaded."""
         on_gpu = torch.cuda.is_available()
         kwargs = vllm_args.engine_args(model_path, seed, dtype, max_model_len, max_num_seqs, enforce_eager,
                                        max_num_batched_tokens, enable_sleep_mode, on_gpu)
         kwargs |= vllm_args.device_args(on_gpu, kv_cache_gb, gpu_memory_utilization, gpus_per_replica,
                                         weight_transfer_backend, routing_capture)
+        kwargs |= lora_args(max_lora_rank, max_loras, max_cpu_loras)
+        self.adapters = Adapters(max_lora_rank)
+        self.policy_adapter: str | None = None  # the adapter every request uses (a LoRA run's policy)
         self._start(kwargs, on_gpu)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
@@ -208,7 +218,8 @@ class VLLMEngine(NativeTransfer):
         self.busy.enter()
         try:
             with engine_alive():
-                async for out in self.llm.generate(prompt, params, request_id=request_id):
+                async for out in self.llm.generate(prompt, params, request_id=request_id,
+                                                   lora_request=self._adapter()):
                     if final is None:
                         # Read at the first output, not at submission: a request that reached the
                         # engine while it was paused runs after the update, on the new weights.
@@ -256,7 +267,8 @@ class VLLMEngine(NativeTransfer):
             with engine_alive():
                 params = sampling_params(sampling, self.unsampled, n)
                 prompt: TokensPrompt = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(sent_at)}
-                async for out in self.llm.generate(prompt, params, request_id=f"r{next(self._ids)}"):
+                async for out in self.llm.generate(prompt, params, request_id=f"r{next(self._ids)}",
+                                                   lora_request=self._adapter()):
                     for completion in out.outputs:
                         versions.setdefault(completion.index, self.version)
                         last[completion.index] = completion
@@ -276,10 +288,15 @@ class VLLMEngine(NativeTransfer):
 
         params, final = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False), None
         with engine_alive():
-            async for out in self.llm.generate({"prompt_token_ids": token_ids}, params,
-                                               request_id=f"s{next(self._ids)}"):
+            request_id = f"s{next(self._ids)}"
+            async for out in self.llm.generate({"prompt_token_ids": token_ids}, params, request_id=request_id,
+                                               lora_request=self._adapter()):
                 final = out
         return prompt_scores(final, token_ids, top_k)
+
+    def _adapter(self) -> Any:
+        """The `LoRARequest` of the policy's adapter, None without one."""
+        return self.adapters.request(self.policy_adapter)
 
     async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
         """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""
@@ -291,35 +308,6 @@ class VLLMEngine(NativeTransfer):
         """Await a call into the engine process, EngineDead if the process dies meanwhile
         (rlexp/rollout/vllm_liveness.py)."""
         return await watched(self.llm, call)
-
-    async def pause(self, mode: UpdateMode) -> None:
-        """keep: requests stay in the scheduler with their KV cache (vLLM's keep mode without
-        its cache clearing, which would preempt and prefill every request again); abort: cut
-        them short, to continue from their tokens after `resume`; wait: let them finish."""
-        self._running.clear()
-        self._interrupts += mode == "abort"
-        await self._call(self.llm.pause_generation(mode=mode, clear_cache=mode != "keep"))
-
-    async def resume(self) -> None:
-        await self._call(self.llm.resume_generation())
-        self._running.set()
-
-    async def load_weights(self, directory: Path, version: int) -> None:
-        """Reload `directory/model.safetensors` in place; from now on tokens carry `version`."""
-        await self._call(self.llm.collective_rpc("load_shared_weights", args=(str(directory),)))
-        await self.weights_loaded(version)
-
-    async def weights_loaded(self, version: int) -> None:
-        """New weights are in place (by whatever transport): from now on tokens carry `version`.
-        Cached KV was computed by the old weights: the reset drops it where no request holds it
-        (after abort or wait); KV that requests kept (keep) stays out of later requests' reach
-        by its cache salt, the version their request was sent at."""
-        await self._call(self.llm.reset_prefix_cache())
-        await self._call(self.llm.update_weight_version(str(version)))
-        self._labelled = True
-        if self.llm.model_config.is_multimodal_model:  # so were the cached image encodings (and
-            await self._call(self.llm.reset_encoder_cache())  # a seen image would miss: the engine dies)
-        self.version = version
 
     async def sleep(self) -> None:
         if self.sleeps:

@@ -145,6 +145,12 @@ class TrainController:
         """The policy's full tensors for the engine, less a frozen vision encoder's (every rank iterates)."""
         yield from policy_weights(self.model, self.lora_scaling, skip=self.unsynced)
 
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA's trained tensors by the trainer's names (weight_transfer=lora_adapter)."""
+        if not self.lora_scaling:
+            raise ValueError("adapter weights asked of a trainer without LoRA (trainer.lora.rank=0)")
+        yield from adapter_weights(self.model)
+
     def save(self, directory: Path) -> None:
         """`model.safetensors` (the policy, merged with LoRA), `adapter.safetensors` (LoRA's
         trained tensors) and `trainer.pt` (optimizer by parameter name, lr schedule); all

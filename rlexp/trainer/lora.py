@@ -1,9 +1,8 @@
-"""LoRA through peft: only the adapters train; the rollout engine gets merged weights.
-
-Why merged weights and not vLLM's per-version LoRA adapters: the engine then runs the same
-dense model as without LoRA (no adapter kernels, any architecture vLLM serves, every weight
-transport unchanged), and the trainer/engine logprobs agree as closely as with full
-fine-tuning. The cost is publishing the full model at every sync, not just the adapters."""
+"""LoRA through peft: only the adapters train. The rollout engine gets either merged weights
+(any transport: W + scaling * B @ A per adapted matrix, so the engine runs the same dense
+model as without LoRA, any architecture vLLM serves, at the cost of the full model at every
+sync) or, with weight_transfer=lora_adapter, the adapter alone (rlexp/weights/adapter_file.py:
+vLLM's LoRA serving on the base weights it loaded once)."""
 
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ class ObjectStoreTransport:
 
     engine_backend = None
     sends_from_driver = False  # a trainer group's weights too (they reach this process on the CPU)
+    sends_adapter = False  # the policy's full tensors
 
     def __init__(self, cluster: ClusterShape | None = None):
         if cluster is not None and cluster.name != "ray":

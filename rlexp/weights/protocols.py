@@ -24,6 +24,9 @@ class WeightTransport(Protocol):
     # sends from a trainer in this process (the driver): not from a trainer group's ranks,
     # so the config check refuses it with trainer.workers > 1
     sends_from_driver: bool = False
+    # carries a LoRA run's adapter (trainer.adapter_weights) to an engine that serves adapters,
+    # not the policy's full tensors (rlexp.step.outgoing)
+    sends_adapter: bool = False
 
     @property
     def engine_backend(self) -> str | None:

@@ -19,6 +19,7 @@ class RamFileTransport:
     PREFIX = "rlexp-weights-"
     engine_backend = None
     sends_from_driver = False  # a trainer group's weights too (they reach this process on the CPU)
+    sends_adapter = False  # the policy's full tensors
 
     def __init__(self, directory: str | None = None, cluster: ClusterShape | None = None):
         """`directory`: where the file goes (None: a fresh one in RAM, under /dev/shm or

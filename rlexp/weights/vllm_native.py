@@ -113,6 +113,7 @@ class NativeTransport:
 
     engine_backend: str  # the engine side of the transfer (rollout.weight_transfer_backend)
     sends_from_driver = True  # from a trainer in this process: not from a trainer group's ranks
+    sends_adapter = False  # the policy's full tensors
 
     def __init__(self, cluster: ClusterShape | None = None) -> None:
         """`cluster`: not read (any cluster with CUDA; config.py refuses a trainer group)."""
