@@ -16,8 +16,9 @@ files in RAM, served by vLLM's LoRA support on the base weights it loaded once; 
 engine); a transport that `sends_adapter` gets `trainer.adapter_weights()` (rlexp.step.outgoing).
 
 An engine receives through declared methods (protocols.py): `load_weights` (a safetensors file
-it can read), `load_adapter` (a LoRA adapter's files, by name), `load_weights_object` (a RolloutPool: Ray's object store), `load_weights_native`
-(vLLM's native transfer, process by process). Inside vLLM's workers, vllm_worker.py loads the
-file in place; vllm_private.py lists the places where that reaches past vLLM's public API.
+it can read), `load_adapter` (a LoRA adapter's files, by name), `load_weights_object` (a
+RolloutPool: Ray's object store), `load_weights_native` (vLLM's native transfer, process by
+process). Inside vLLM's workers, vllm_worker.py loads the file in place; vllm_private.py
+lists the places where that reaches past vLLM's public API.
 
 This package imports nothing from rlexp's rollout, trainer or cluster packages: they import it."""
