@@ -239,3 +239,25 @@ def test_a_killed_server_restarts_from_its_last_save_state(server):
     assert resumed["logprobs"] == saved["logprobs"]  # the weights as saved, exactly
     assert resumed["step"]["grad_norm:mean"] > 0  # and it trains on (with the optimizer's state)
     assert saved["path"].startswith(f"tinker://{resumed['run']}/") and resumed["last"] == saved["path"]
+
+
+def test_a_stopped_server_ends_its_models_runs_and_a_restarted_one_continues_them(server):
+    """SIGTERM: every model's MLflow run KILLED (not left RUNNING), the process then dies of the
+    signal; restarted, the model's saved state loaded (a new training client, as the SDK makes
+    one), its run is the same one, RUNNING again, and its metrics go on from its last step."""
+    from mlflow.tracking import MlflowClient
+
+    saved = sdk(server, TRAIN_AND_SAVE, BASE_MODEL)
+    model_id = saved["path"].removeprefix("tinker://").split("/")[0]
+    run_id = json.loads((server.state / "runs" / model_id / "meta.json").read_text())["mlflow_run_id"]
+    proc = server.proc
+    server.stop()  # SIGTERM
+    client = MlflowClient(server.tracking_uri)
+    assert proc.returncode == -15  # died of the signal, after the cleanup
+    assert client.get_run(run_id).info.status == "KILLED"
+    server.start()
+    sdk(server, RESUME, saved["path"])
+    run = client.get_run(run_id)
+    assert run.info.status == "RUNNING" and run.info.run_name == model_id  # the same run, continued
+    steps = [m.step for m in client.get_metric_history(run_id, "tinker/optim_step/learning_rate")]
+    assert sorted(steps) == [1, 2, 3]  # two optimizer steps before the stop, one after, in one run

@@ -184,3 +184,25 @@ def test_bad_datums_are_refused_naming_the_field_and_the_model_still_trains(serv
     assert "data[0].loss_fn_inputs.logprobs is missing" in seen["missing"]
     assert "unknown loss_fn 'not_a_loss'" in seen["unknown"] or "not_a_loss" in seen["unknown"]
     assert out["after"] > 0
+
+
+TOKENIZER = """
+import httpx
+tc = service.create_lora_training_client(base_model=ARGS[0], rank=4)
+tokenizer = tc.get_tokenizer()  # no model hub here (HF_HUB_OFFLINE=1): the id names a directory
+raw = httpx.post(URL.rstrip("/") + "/api/v1/get_info", json={"model_id": tc.model_id},
+                 headers={"X-API-Key": "tml-local"}).json()
+print(json.dumps({"ids": tokenizer.encode("12+3="), "entries": len(tokenizer),
+                  "tokenizer_id": tc.get_info().model_data.tokenizer_id, "model_data": raw["model_data"]}))
+"""
+
+
+def test_get_tokenizer_works_offline_and_the_vocabulary_size_is_reported(server):
+    from transformers import AutoTokenizer
+
+    out = sdk(server, TOKENIZER, BASE_MODEL)
+    served = AutoTokenizer.from_pretrained(server.state / "base")
+    assert out["ids"] == served.encode("12+3=") and out["entries"] == len(served)
+    assert out["tokenizer_id"] == str((server.state / "base").resolve())
+    rows = json.loads((server.state / "base" / "config.json").read_text())["vocab_size"]
+    assert out["model_data"]["vocab_size"] == rows > len(served)  # the model's rows, not the tokenizer's

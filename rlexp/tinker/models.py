@@ -56,6 +56,10 @@ class Models:
             raise not_found("model_id", str(model_id), where)
         return self.models[model_id]
 
+    def runs_in(self, run_id: str) -> bool:
+        """A model of this server logs to MLflow run `run_id`."""
+        return any(m.run is not None and m.run.run_id == run_id for m in self.models.values())
+
     def ready(self, model_id: Any) -> TrainingModel:
         model = self.get(model_id)
         if model.training is None:

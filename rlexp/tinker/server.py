@@ -5,7 +5,11 @@ SDK at it with TINKER_BASE_URL=http://<host>:<port> and any TINKER_API_KEY start
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +59,9 @@ def build(cfg: DictConfig) -> Service:
                              "lora": lora | {"seed": seed}, "user_metadata": meta.get("user_metadata")},
                   "trainer": trainer_cfg}
         run = ModelRun(cfg.logger.tracking_uri, t.experiment_name, model_id, params,
-                       {"rlexp.tinker.model_id": model_id}, cfg.logger.artifact_location, t.log_checkpoints)
+                       {"rlexp.tinker.model_id": model_id}, cfg.logger.artifact_location, t.log_checkpoints,
+                       run_id=store.meta(model_id).get("mlflow_run_id"))
+        store.record(model_id, mlflow_run_id=run.run_id)
         return training, run
 
     models = Models(t.base_model, store, futures, build_model, vocab_size, positions - 1)
@@ -67,7 +73,8 @@ def build(cfg: DictConfig) -> Service:
 
     bound = resolve_bound(cfg.trainer.sync_check.bound, [cfg.trainer.dtype, cfg.rollout.dtype])
     sampler = Sampler(engine, base_dir, float("inf") if bound is None else bound, on_sync)
-    return Service(t.base_model, models, sampler, store, vocab_size, cfg.rollout.max_model_len, t.poll_s)
+    return Service(t.base_model, models, sampler, store, vocab_size, cfg.rollout.max_model_len, t.poll_s,
+                   str(base_dir.resolve()))
 
 
 async def serve(cfg: DictConfig) -> None:
@@ -77,18 +84,46 @@ async def serve(cfg: DictConfig) -> None:
                          "(only loopback addresses may go without one)")
     service = build(cfg)
     app = create_app(service, t.api_key, int(t.max_body_mb * 2**20))
-    server = uvicorn.Server(uvicorn.Config(app, host=t.host, port=t.port, log_level="warning",
-                                           lifespan="off", access_log=False))
+    server = SignalledServer(uvicorn.Config(app, host=t.host, port=t.port, log_level="warning",
+                                            lifespan="off", access_log=False))
     task = server.serve()
     log.info("tinker: serving %s", t.base_model)
     try:
         await _announce(server, task, t.host, t.base_model)
     finally:
-        service.sampler.engine.shutdown()
         for model in service.models.models.values():
             model.lane.close()
             if model.run is not None:
-                model.run.end()
+                model.run.end("FINISHED" if server.stopped_by is None else "KILLED")
+        service.sampler.engine.shutdown()
+    if server.stopped_by is not None:  # die of it, as uvicorn would have, now that all is ended
+        signal.raise_signal(server.stopped_by)
+
+
+class SignalledServer(uvicorn.Server):
+    """uvicorn's server, which stops serving at SIGINT or SIGTERM and keeps the signal in
+    `stopped_by`. uvicorn itself raises the signal again as `serve` returns, which ends the
+    process before the caller's cleanup (the models' MLflow runs stayed RUNNING)."""
+
+    def __init__(self, config: uvicorn.Config):
+        super().__init__(config)
+        self.stopped_by: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopped_by = sig
+        super().handle_exit(sig, frame)
 
 
 async def _announce(server: uvicorn.Server, serving: Any, host: str, base_model: str) -> None:

@@ -38,8 +38,11 @@ class SamplingSession:
 
 class Service:
     def __init__(self, base_model: str, models: Models, sampler: Sampler, store: Store, vocab_size: int,
-                 max_model_len: int, poll_s: float):
+                 max_model_len: int, poll_s: float, tokenizer_dir: str):
+        """`tokenizer_dir`: the served model's directory, which a client's `get_tokenizer()`
+        loads with no model hub (AutoTokenizer.from_pretrained of the `tokenizer_id` reported)."""
         self.base_model, self.models, self.sampler, self.store = base_model, models, sampler, store
+        self.tokenizer_dir = tokenizer_dir
         self.vocab_size, self.max_model_len, self.poll_s = vocab_size, max_model_len, poll_s
         self.futures = models.futures
         self.sessions: dict[str, Session] = {}
@@ -94,6 +97,11 @@ class Service:
             if wire.get(body, "base_model", str, meta["base_model"]) != meta["base_model"]:
                 raise BadRequest(f"base_model differs from the checkpoint's {meta['base_model']!r}",
                                  "base_model")
+            # a model of an earlier server process (restarted since) goes on in its MLflow run;
+            # one that lives here keeps its run, and the loaded copy gets a run of its own
+            run_id = self.store.meta(source).get("mlflow_run_id")
+            if run_id is not None and not self.models.runs_in(run_id):
+                meta["mlflow_run_id"] = run_id
             request_id = self.models.create(model_id, raw, meta, None, (directory, optimizer))
             return {"request_id": request_id, "model_id": model_id}
         model_id = wire.get(body, "model_id", str)
@@ -109,8 +117,10 @@ class Service:
         model_id = wire.get(body, "model_id", str)
         training = self.models.ready(model_id)
         return {"type": "get_info", "model_id": model_id,
+                # vocab_size: the model's rows (token ids 0..vocab_size-1), which can be more than
+                # the tokenizer's entries; the SDK's ModelData drops it, the wire carries it
                 "model_data": {"arch": "rlexp", "model_name": self.base_model,
-                               "tokenizer_id": self.base_model},
+                               "tokenizer_id": self.tokenizer_dir, "vocab_size": self.vocab_size},
                 "is_lora": training.lora_rank > 0, "lora_rank": training.lora_rank or None,
                 "model_name": self.base_model}
 

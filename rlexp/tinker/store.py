@@ -79,6 +79,10 @@ class Store:
     def runs(self) -> list[str]:
         return sorted(p.parent.name for p in self.root.glob("*/meta.json"))
 
+    def record(self, model_id: str, **fields: Any) -> None:
+        """Add `fields` to the model's meta.json."""
+        self._write(model_id, self.meta(model_id) | fields)
+
     def touch(self, model_id: str) -> None:
         meta = self.meta(model_id)
         meta["last_request_time"] = _now()
