@@ -99,6 +99,7 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
         self._running = asyncio.Event()  # cleared while paused for a weight update
         self._running.set()
         self._interrupts = 0  # pauses that cut requests short so far
+        self._keeping = False  # paused in keep mode: requests hold their KV through the update
         self._labelled = False  # vLLM told the version of its weights (before the first request)
         self._idle_spin_s = idle_spin_s  # applied to the workers before the first request
         self.routing_capture = routing_capture

@@ -22,6 +22,7 @@ class WeightUpdates:
     _call: Callable[[Awaitable[Any]], Awaitable[Any]]
     _running: asyncio.Event
     _interrupts: int
+    _keeping: bool
     _labelled: bool
     adapters: Adapters
     policy_adapter: str | None
@@ -33,10 +34,12 @@ class WeightUpdates:
         them short, to continue from their tokens after `resume`; wait: let them finish."""
         self._running.clear()
         self._interrupts += mode == "abort"
+        self._keeping = mode == "keep"
         await self._call(self.llm.pause_generation(mode=mode, clear_cache=mode != "keep"))
 
     async def resume(self) -> None:
         await self._call(self.llm.resume_generation())
+        self._keeping = False
         self._running.set()
 
     async def load_weights(self, directory: Path, version: int) -> None:
@@ -48,8 +51,10 @@ class WeightUpdates:
         """New weights are in place (by whatever transport): from now on tokens carry `version`.
         Cached KV was computed by the old weights: the reset drops it where no request holds it
         (after abort or wait); KV that requests kept (keep) stays out of later requests' reach
-        by its cache salt, the version their request was sent at."""
-        await self._call(self.llm.reset_prefix_cache())
+        by its cache salt, the version their request was sent at. Under keep there is no reset:
+        vLLM resets all or nothing, so with requests holding blocks it would only warn."""
+        if not self._keeping:
+            await self._call(self.llm.reset_prefix_cache())
         await self._call(self.llm.update_weight_version(str(version)))
         self._labelled = True
         if self.llm.model_config.is_multimodal_model:  # so were the cached image encodings (and
