@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,11 +36,14 @@ from transformers import AutoTokenizer
 import rlexp.config
 from rlexp.chat.render import render_prompt
 from rlexp.rollout.vllm_engine import VLLMEngine
-from rlexp.sample import Sample, SamplingConfig, Status, TokenTrace
+from rlexp.sample import SamplingConfig
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.models import LORA_TARGETS
 from rlexp.weights.adapter_file import AdapterFileTransport
 from rlexp.weights.ram_file import RamFileTransport
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.engine_helpers
+from tests.engine_helpers import _as_samples  # noqa: E402  (the engine's replies as samples)
 
 PROMPTS = ["12+3=", "7+25=", "40+2=", "9+9="]
 
@@ -59,13 +63,7 @@ def logprob_gap(trainer: TrainController, engine: VLLMEngine, tokenizer) -> floa
         return await asyncio.gather(*(engine.generate(p, SamplingConfig(1.0, 1.0, 12, seed=i))
                                       for i, p in enumerate(prompts)))
     gens = asyncio.get_event_loop().run_until_complete(sample())
-    samples = []
-    for p, g in zip(prompts, gens):
-        trace = TokenTrace()
-        trace.append(p, role="prompt")
-        trace.append(g.token_ids, role="assistant", generation=g)
-        samples.append(Sample(group_id=0, prompt=[], answer="", trace=trace, status=Status.COMPLETED))
-    ours = trainer.sample_logprobs(samples)
+    ours = trainer.sample_logprobs(_as_samples(prompts, gens))
     return max((lp[len(p):] - torch.tensor(g.logprobs)).abs().max().item()
                for p, g, lp in zip(prompts, gens, ours))
 
