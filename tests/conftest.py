@@ -1,7 +1,6 @@
 import asyncio
 import contextlib
 import os
-import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # imported (it reads the mode once), so that this process can also join the multi-node
 # clusters of tests/ray_nodes.py, which use the same token (~/.ray/auth_token).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
-# Tests press Ctrl-C on the processes they start (SIGINT). A suite started in the background
-# by a non-interactive shell (as CI may) inherits SIGINT ignored, and so would every process
-# it starts: Python then never raises KeyboardInterrupt. Handled here, SIGINT is back to its
-# default in every process started from now on (exec resets a handled signal).
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TINY_KW = dict(seed=0, hidden_size=128, num_layers=2, num_heads=2, warm_start_steps=40,
                warm_start_batch_size=32, warm_start_lr=0.002, warm_start_target_accuracy=1.0,

@@ -15,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
+from tests.processes import like_a_terminal
 from tests.slurm import ROOT, run_slurm, slurm_out
 
 pytestmark = pytest.mark.serial  # see "serial" in pyproject.toml
@@ -57,7 +58,8 @@ def launch(slurm, run_models, tmp_path):
         cpus = slurm_out(slurm, "sinfo", "-h", "-o", "%c").strip()
         with open(tmp_path / "launcher.log", "w") as log:
             started.append(subprocess.Popen(_sweep_cmd(tmp_path, run_models, cpus, *overrides), cwd=ROOT,
-                                            env=slurm, stdout=log, stderr=subprocess.STDOUT, text=True))
+                                            env=slurm, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                            preexec_fn=like_a_terminal))
         return started[-1]
 
     yield start

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from rlexp import orphans
-from tests.processes import running_cmdline
+from tests.processes import like_a_terminal, running_cmdline
 from tests.ray_nodes import RayNodes
 from tests.test_resume import ROOT, _cmd, _resume_cmd, _run, _steps, _wait_for
 from tests.test_run import _history
@@ -46,6 +46,7 @@ def cluster(tmp_path, run_temp):
 
 def _start(cmd, log, env):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=like_a_terminal,
                             env=env | {"HF_HUB_OFFLINE": "1"})
 
 

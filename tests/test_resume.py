@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from rlexp import orphans
 from rlexp.checkpoint import checkpoints
 from rlexp.trainer.critic import CRITIC_FILE
-from tests.processes import running_cmdline
+from tests.processes import like_a_terminal, running_cmdline
 from tests.test_run import _history, _traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +47,7 @@ def _resume_cmd(run_dir, *overrides):
 
 def _start(cmd, log):
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=like_a_terminal,
                             env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
