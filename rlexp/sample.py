@@ -49,6 +49,9 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()  # text that ends the reply (then detokenized as it goes)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the reply (kept in it), besides EOS
     ignore_eos: bool = False  # EOS does not end the reply
+    # Which weights answer: a LoRA adapter the engine serves by this name (a Tinker tenant's;
+    # rlexp/rollout/vllm_adapters.py), None for the engine's policy.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:  # tuples, whatever the config gave (Hydra passes lists): hashable
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
@@ -64,7 +67,7 @@ class SamplingConfig:
         out: dict[str, Any] = {}
         if self.constraint is not None:
             out["constraint"] = {"kind": self.constraint.kind, "spec": self.constraint.spec}
-        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs"):
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "top_logprobs", "adapter"):
             if getattr(self, name):
                 out[name] = getattr(self, name)
         return out

@@ -27,7 +27,9 @@ LR, SEED, STEPS = 5e-4, 7, 2
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path):
     require_sdk()
-    s = Server(tmp_path_factory.mktemp("tinker"), "trainer.sync_check.bound=off").start()
+    # Two adapters kept loaded at most: three tenants sampled in turn evict one another
+    s = Server(tmp_path_factory.mktemp("tinker"), "trainer.sync_check.bound=off", "rollout.max_loras=2",
+               "rollout.max_cpu_loras=2").start()
     yield s
     s.stop()
 
@@ -206,3 +208,67 @@ def test_get_tokenizer_works_offline_and_the_vocabulary_size_is_reported(server)
     assert out["tokenizer_id"] == str((server.state / "base").resolve())
     rows = json.loads((server.state / "base" / "config.json").read_text())["vocab_size"]
     assert out["model_data"]["vocab_size"] == rows > len(served)  # the model's rows, not the tokenizer's
+
+
+TENANTS = """
+from concurrent.futures import ThreadPoolExecutor
+PREFIX, N = [10, 11, 12], int(ARGS[1])
+
+def train(i):  # tenant i learns that PREFIX goes on with its own tokens; attention + MLP: an adapter
+    tc = service.create_lora_training_client(base_model=ARGS[0], rank=4, seed=i, train_unembed=False)
+    seq = PREFIX + [40 + 7 * i + k for k in range(6)]
+    d = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [0.0] * 2 + [1.0] * 6})
+    for _ in range(8):
+        tc.forward_backward([d], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+    return tc.save_weights_and_get_sampling_client(), tc.model_id
+
+def ask(sampler):  # futures: sampled while the others' are
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    seeded = types.SamplingParams(max_tokens=6, seed=5, temperature=1.0)
+    return (sampler.sample(types.ModelInput.from_ints(PREFIX), 1, greedy),
+            sampler.sample(types.ModelInput.from_ints(PREFIX), 3, seeded),
+            sampler.compute_logprobs(types.ModelInput.from_ints(PREFIX + [40, 41, 42])))
+
+def answers(futures):
+    greedy, seeded, scored = (f.result() for f in futures)
+    return {"greedy": greedy.sequences[0].tokens, "seeded": [s.tokens for s in seeded.sequences],
+            "logprobs": [s.logprobs for s in seeded.sequences], "scored": scored[1:]}
+
+alone = train(0)  # trained and sampled with no other tenant
+alone_out = answers(ask(alone[0]))
+with ThreadPoolExecutor(N) as pool:  # N tenants trained at once, tenant 0 as above
+    tenants = list(pool.map(train, range(N)))
+together = [[answers(ask(t[0])) for t in tenants]]  # in turn: each evicts the least recent
+asked = [ask(t[0]) for t in tenants for _ in range(2)]  # all at once, each twice
+together.append([answers(asked[2 * i]) for i in range(N)])
+print(json.dumps({"alone": alone_out, "together": together, "models": [t[1] for t in tenants]}))
+"""
+
+
+def test_lora_tenants_share_the_engine_each_as_if_alone_and_evicted_adapters_come_back(server):
+    """Three LoRA models (attention + MLP: adapters on the engine's one base) trained at once,
+    then sampled in turn and all at once on an engine keeping two adapters: each answers what
+    the same model trained and sampled alone answers; each learned tokens of its own, so a
+    request served by another tenant's adapter (or the base) would show."""
+    n = 3
+    out = sdk(server, TENANTS, BASE_MODEL, str(n))
+    own = [{40 + 7 * i + k for k in range(6)} for i in range(n)]  # disjoint
+    for round_ in out["together"]:
+        assert all(t["greedy"] and set(t["greedy"]) <= own[i] for i, t in enumerate(round_)), round_
+        first = round_[0]
+        assert first["greedy"] == out["alone"]["greedy"] and first["seeded"] == out["alone"]["seeded"]
+        # the same weights in another batch of the engine: equal to float32 rounding
+        assert sum(first["logprobs"], []) == pytest.approx(sum(out["alone"]["logprobs"], []), abs=1e-4)
+        assert first["scored"] == pytest.approx(out["alone"]["scored"], abs=1e-4)
+    client = MlflowClient(server.tracking_uri)
+    runs = [_run_of(client, m).info.run_id for m in out["models"]]
+    loads = [len(client.get_metric_history(run, "sync/tokens")) for run in runs]
+    assert min(loads) >= 2, f"a tenant's adapter was never loaded again after its eviction: {loads}"
+
+
+def _run_of(client: MlflowClient, model_id: str):
+    exp = client.get_experiment_by_name("rlexp-tinker")
+    (run,) = client.search_runs([exp.experiment_id], f"tags.`rlexp.tinker.model_id` = '{model_id}'")
+    return run

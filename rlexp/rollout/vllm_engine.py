@@ -220,7 +220,7 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
         try:
             with engine_alive():
                 async for out in self.llm.generate(prompt, params, request_id=request_id,
-                                                   lora_request=self._adapter()):
+                                                   lora_request=self._adapter(sampling.adapter)):
                     if final is None:
                         # Read at the first output, not at submission: a request that reached the
                         # engine while it was paused runs after the update, on the new weights.
@@ -269,7 +269,7 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
                 params = sampling_params(sampling, self.unsampled, n)
                 prompt: TokensPrompt = {"prompt_token_ids": token_ids, "cache_salt": cache_salt(sent_at)}
                 async for out in self.llm.generate(prompt, params, request_id=f"r{next(self._ids)}",
-                                                   lora_request=self._adapter()):
+                                                   lora_request=self._adapter(sampling.adapter)):
                     for completion in out.outputs:
                         versions.setdefault(completion.index, self.version)
                         last[completion.index] = completion
@@ -282,22 +282,23 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
         return [reply(last[i], sampling.top_logprobs, versions[i], sent_at) if i in last else never_started
                 for i in range(n)]
 
-    async def score(self, token_ids: list[int], top_k: int = 0) -> PromptLogprobs:
+    async def score(self, token_ids: list[int], top_k: int = 0, adapter: str | None = None) -> PromptLogprobs:
         """The model's logprob of each token given the ones before (vLLM's prompt logprobs, of
-        the raw distribution: temperature 1), with its `top_k` likeliest ids per position."""
+        the raw distribution: temperature 1), with its `top_k` likeliest ids per position;
+        `adapter`: by that LoRA adapter's weights (as `SamplingConfig.adapter`)."""
         from vllm import SamplingParams
 
         params, final = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False), None
         with engine_alive():
             request_id = f"s{next(self._ids)}"
             async for out in self.llm.generate({"prompt_token_ids": token_ids}, params, request_id=request_id,
-                                               lora_request=self._adapter()):
+                                               lora_request=self._adapter(adapter)):
                 final = out
         return prompt_scores(final, token_ids, top_k)
 
-    def _adapter(self) -> Any:
-        """The `LoRARequest` of the policy's adapter, None without one."""
-        return self.adapters.request(self.policy_adapter)
+    def _adapter(self, name: str | None) -> Any:
+        """The `LoRARequest` of adapter `name`, else of the policy's adapter; None for neither."""
+        return self.adapters.request(name or self.policy_adapter)
 
     async def _routing(self, request_id: str, completion: Any) -> np.ndarray:
         """[prompt + generated - 1, layers, k] expert ids: vLLM's on a GPU, the workers' on the CPU."""

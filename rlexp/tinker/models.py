@@ -43,11 +43,16 @@ class Model:
 
 
 class Models:
+    """`adapter_rank`: the largest LoRA rank the engine serves as an adapter (rollout.max_lora_rank;
+    0: none, every sampler is a whole model); `max_models`: training models at once (each holds
+    its own trainer: a copy of the base model, its adapter, its optimizer state)."""
+
     def __init__(self, base_model: str, store: Store, futures: Futures,
                  build: Callable[[str, dict[str, Any], int | None], tuple[TrainingModel, ModelRun]],
-                 vocab_size: int, max_tokens: int):
+                 vocab_size: int, max_tokens: int, adapter_rank: int = 0, max_models: int = 8):
         self.base_model, self.store, self.futures, self.build = base_model, store, futures, build
         self.vocab_size, self.max_tokens = vocab_size, max_tokens  # of a datum's model_input
+        self.adapter_rank, self.max_models = adapter_rank, max_models
         self.models: dict[str, Model] = {}
         self._creations: dict[str, tuple[str, str]] = {}  # model id -> (body digest, request id)
 
@@ -79,6 +84,9 @@ class Models:
             return self._creations[model_id][1]
         if model_id in self.store.runs() and load is None:
             raise BadRequest(f"model {model_id} already exists on this server", "model_seq_id")
+        if len(self.models) >= self.max_models:
+            raise BadRequest(f"this server trains at most {self.max_models} models at once "
+                             f"(tinker.max_models), and has {len(self.models)}", "tinker.max_models")
         model = self.models[model_id] = Model(Lane(self.futures, model_id))
 
         def build() -> dict[str, Any]:
@@ -104,6 +112,9 @@ class Models:
         if rank > MAX_LORA_RANK:
             raise BadRequest(f"lora_config.rank {rank} is over {MAX_LORA_RANK}", "lora_config.rank")
         parts = {k: wire.get(lora, k, bool, True, "lora_config.") for k in LORA_PARTS}
+        if rank > self.adapter_rank > 0 and not parts["train_unembed"]:  # else merged (server.served_adapter)
+            raise BadRequest(f"lora_config.rank {rank}: this server's engine serves adapters up to rank "
+                             f"{self.adapter_rank} (rollout.max_lora_rank)", "lora_config.rank")
         if rank and not any(parts.values()):
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed",
                              "lora_config")

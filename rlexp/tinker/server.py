@@ -28,7 +28,7 @@ from rlexp.tinker.sampler import Sampler
 from rlexp.tinker.service import Service
 from rlexp.tinker.store import Store
 from rlexp.tinker.tracking import ModelRun
-from rlexp.tinker.training import TrainingModel
+from rlexp.tinker.training import ServedAdapter, TrainingModel
 from rlexp.trainer.sync_check import resolve_bound
 
 log = logging.getLogger(__name__)
@@ -48,13 +48,17 @@ def build(cfg: DictConfig) -> Service:
     store, futures = Store(state), Futures()
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
 
+    seeding = threading.Lock()  # models are built on their own threads; torch's generator is global
+
     def build_model(model_id: str, meta: dict[str, Any], seed: int | None) -> tuple[TrainingModel, ModelRun]:
-        torch.manual_seed(cfg.seed if seed is None else seed)  # the LoRA adapters' initialisation
         targets = [m for part, on in meta["lora_parts"].items() if on for m in LORA_PARTS[part]]
         lora = {"rank": meta["lora_rank"], "alpha": cfg.trainer.lora.alpha, "target_modules": targets}
-        trainer = instantiate(cfg.trainer, model_path=str(base_dir), lora=lora)
+        with seeding:
+            torch.manual_seed(cfg.seed if seed is None else seed)  # the LoRA adapters' initialisation
+            trainer = instantiate(cfg.trainer, model_path=str(base_dir), lora=lora)
         training = TrainingModel(model_id, trainer, t.base_model, meta["lora_rank"], vocab_size,
-                                 positions - 1, cfg.trainer.micro_batch_tokens)
+                                 positions - 1, cfg.trainer.micro_batch_tokens,
+                                 served_adapter(meta, lora, cfg.rollout.max_lora_rank))
         params = {"tinker": {"model_id": model_id, "base_model": t.base_model, "model_dir": str(base_dir),
                              "lora": lora | {"seed": seed}, "user_metadata": meta.get("user_metadata")},
                   "trainer": trainer_cfg}
@@ -64,7 +68,8 @@ def build(cfg: DictConfig) -> Service:
         store.record(model_id, mlflow_run_id=run.run_id)
         return training, run
 
-    models = Models(t.base_model, store, futures, build_model, vocab_size, positions - 1)
+    models = Models(t.base_model, store, futures, build_model, vocab_size, positions - 1,
+                    cfg.rollout.max_lora_rank, t.max_models)
 
     def on_sync(weights: Path, figures: dict[str, float]) -> None:
         model = models.models.get(weights.parent.parent.name)
@@ -72,9 +77,20 @@ def build(cfg: DictConfig) -> Service:
             model.run.metrics(figures, model.training.steps)
 
     bound = resolve_bound(cfg.trainer.sync_check.bound, [cfg.trainer.dtype, cfg.rollout.dtype])
-    sampler = Sampler(engine, base_dir, float("inf") if bound is None else bound, on_sync)
+    sampler = Sampler(engine, base_dir, float("inf") if bound is None else bound, on_sync,
+                      cfg.rollout.max_cpu_loras)
     return Service(t.base_model, models, sampler, store, vocab_size, cfg.rollout.max_model_len, t.poll_s,
                    str(base_dir.resolve()))
+
+
+def served_adapter(meta: dict[str, Any], lora: dict[str, Any], engine_rank: int) -> ServedAdapter | None:
+    """A LoRA model's sampler weights are its adapter where the engine serves adapters, except
+    with the unembedding trained (Tinker's default): vLLM serves no `lm_head` adapter for
+    Qwen-family models (the tiny model's), so such a model is sampled as a whole model, merged
+    (one engine load per switch), on every architecture."""
+    if not meta["lora_rank"] or not engine_rank or meta["lora_parts"]["train_unembed"]:
+        return None
+    return ServedAdapter(meta["lora_rank"], lora["alpha"], tuple(lora["target_modules"]))
 
 
 async def serve(cfg: DictConfig) -> None:

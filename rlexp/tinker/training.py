@@ -24,6 +24,7 @@ from rlexp.trainer import update
 from rlexp.trainer.batch import Layout, MicroBatch, TrainBatch
 from rlexp.trainer.controller import TrainController
 from rlexp.trainer.policy import PolicyOutput
+from rlexp.weights.adapter_file import write_adapter
 from rlexp.weights.files import WEIGHTS_FILE
 
 
@@ -53,6 +54,15 @@ class Forward:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """How a LoRA model's sampler weights reach the engine as an adapter: peft's config."""
+
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+
+
 @dataclass
 class AdamStep:
     """The Tinker API's AdamParams (decoupled weight decay: torch's AdamW)."""
@@ -67,11 +77,14 @@ class AdamStep:
 
 class TrainingModel:
     """A TrainController and what the API knows of it: its id, base model, LoRA rank, the
-    optimizer steps taken."""
+    optimizer steps taken; `served_adapter`: its sampler weights are its LoRA adapter (else
+    the whole model, merged)."""
 
     def __init__(self, model_id: str, trainer: TrainController, base_model: str, lora_rank: int,
-                 vocab_size: int, max_tokens: int, micro_batch_tokens: int):
+                 vocab_size: int, max_tokens: int, micro_batch_tokens: int,
+                 served_adapter: ServedAdapter | None = None):
         self.model_id, self.trainer, self.base_model = model_id, trainer, base_model
+        self.served_adapter = served_adapter
         self.lora_rank, self.vocab_size, self.max_tokens = lora_rank, vocab_size, max_tokens
         self.layout = Layout(micro_batch_tokens=micro_batch_tokens)
         self.steps = 0  # optimizer steps taken
@@ -119,9 +132,13 @@ class TrainingModel:
             self.steps = int((directory / "tinker_steps").read_text())
 
     def save_sampler_weights(self, directory: Path) -> None:
-        """The policy's full tensors (LoRA merged), as the engine loads them."""
+        """What the engine loads to sample this model: its LoRA adapter as peft's files (where
+        `served_adapter`), else the policy's full tensors (LoRA merged)."""
         from rlexp.trainer import distributed
 
+        if (a := self.served_adapter) is not None:
+            write_adapter(directory, self.trainer.adapter_weights(), a.rank, a.alpha, list(a.target_modules))
+            return
         directory.mkdir(parents=True, exist_ok=True)
         distributed.save_whole(self.trainer.weights(), directory, WEIGHTS_FILE, 0)
 

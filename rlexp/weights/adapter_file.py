@@ -42,7 +42,7 @@ def peft_name(name: str) -> str:
 def write_adapter(directory: Path, weights: NamedTensors, rank: int, alpha: int,
                   target_modules: list[str]) -> int:
     """peft's two files in `directory`; the bytes of the tensors written."""
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)
     tensors = {peft_name(n): t.detach().to("cpu").contiguous() for n, t in weights}
     save_file(tensors, str(directory / ADAPTER_WEIGHTS))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(target_modules),
