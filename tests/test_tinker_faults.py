@@ -207,6 +207,28 @@ def test_two_clients_on_one_model_and_a_client_that_goes_away(server):
         assert result(client, train)[0] == 200
 
 
+DELETED = """
+unembed = ARGS[1] == "merged"  # merged: sampled as the whole model; else as an adapter
+tc = service.create_lora_training_client(base_model=ARGS[0], rank=2, seed=0, train_unembed=unembed)
+clients = [tc.save_weights_and_get_sampling_client() for _ in range(4)]  # the first one's are deleted
+params = types.SamplingParams(max_tokens=2, seed=0)
+try:
+    clients[0].sample(types.ModelInput.from_ints([5, 6]), 1, params).result()
+    first = "served"
+except Exception as e:
+    first = f"{type(e).__name__}: {e}"
+last = len(clients[-1].sample(types.ModelInput.from_ints([5, 6]), 1, params).result().sequences)
+print(json.dumps({"first": first, "last": last}))
+"""
+
+
+@pytest.mark.parametrize("kind", ["adapter", "merged"])
+def test_a_sampler_whose_weights_were_deleted_is_told_so_and_the_newest_serves(server, kind):
+    out = sdk(server, DELETED, BASE_MODEL, kind)
+    assert "were deleted" in out["first"] and "save them again" in out["first"], out["first"]
+    assert out["last"] == 1
+
+
 TRAIN_AND_SAVE = """
 tc = service.create_lora_training_client(base_model=ARGS[0], rank=2, seed=3)
 d = types.Datum(model_input=types.ModelInput.from_ints(list(range(5, 20))),

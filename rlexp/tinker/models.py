@@ -18,7 +18,7 @@ from rlexp.tinker import datums, losses, wire
 from rlexp.tinker.errors import BadRequest, not_found
 from rlexp.tinker.futures import Futures, Lane
 from rlexp.tinker.proto import ForwardBackwardRequest, forward_output
-from rlexp.tinker.sampler import PROBE_FILE
+from rlexp.tinker.sampler import KEEP_EPHEMERAL, PROBE_FILE
 from rlexp.tinker.store import Store
 from rlexp.tinker.tracking import ModelRun
 from rlexp.tinker.training import AdamStep, TrainingModel
@@ -28,7 +28,6 @@ from rlexp.trainer.batch import TrainBatch
 log = logging.getLogger(__name__)
 LORA_PARTS = {"train_attn": ["q_proj", "k_proj", "v_proj", "o_proj"],
               "train_mlp": ["gate_proj", "up_proj", "down_proj"], "train_unembed": ["lm_head"]}
-KEEP_EPHEMERAL = 3  # unnamed sampler weights kept per model (older ones are deleted)
 PROBE_TOKENS = 64
 MAX_LORA_RANK = 1024
 

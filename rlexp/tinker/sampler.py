@@ -31,8 +31,10 @@ import numpy as np
 from rlexp.errors import SyncMismatch
 from rlexp.sample import Generation, SamplingConfig
 from rlexp.tinker import proto
+from rlexp.tinker.errors import BadRequest
 from rlexp.weights.adapter_file import ADAPTER_CONFIG
 
+KEEP_EPHEMERAL = 3  # unnamed sampler weights kept per model (older ones are deleted: models.py)
 PROBE_FILE = "probe.json"  # beside the sampler weights: the tokens and the trainer's logprobs of them
 SENTINEL = (0, -99999.0)  # the SDK's "no value" cell of a top-k row
 
@@ -53,6 +55,10 @@ class Sampler:
     async def sample(self, weights: Path | None, prompt: list[int], n: int, sampling: SamplingConfig,
                      prompt_logprobs: bool, topk_prompt: int, last_n: int | None) -> bytes:
         """`n` completions of `prompt` (and its prompt logprobs) as the SDK's SampleResponse."""
+        if weights is not None and not weights.is_dir():
+            raise BadRequest(f"the sampler weights at {weights} were deleted (a model keeps the last "
+                             f"{KEEP_EPHEMERAL} unnamed ones it saved): save them again",
+                             "sampling_session_id", 404)
         adapter = weights is not None and is_adapter(weights)
         await self._acquire(self.base_dir if adapter or weights is None else weights)
         name = None
