@@ -210,7 +210,8 @@ def test_two_clients_on_one_model_and_a_client_that_goes_away(server):
 DELETED = """
 unembed = ARGS[1] == "merged"  # merged: sampled as the whole model; else as an adapter
 tc = service.create_lora_training_client(base_model=ARGS[0], rank=2, seed=0, train_unembed=unembed)
-clients = [tc.save_weights_and_get_sampling_client() for _ in range(4)]  # the first one's are deleted
+# each saved before the next (the first one's are deleted by the fourth save)
+clients = [tc.save_weights_and_get_sampling_client().result() for _ in range(4)]
 params = types.SamplingParams(max_tokens=2, seed=0)
 try:
     clients[0].sample(types.ModelInput.from_ints([5, 6]), 1, params).result()

@@ -36,6 +36,8 @@ def test_a_rank_above_the_engines_is_refused_unless_the_model_is_sampled_merged(
     assert models.meta(_lora(32, unembed=False), BASE)[0]["lora_rank"] == 32
     assert models.meta(_lora(64, unembed=True), BASE)[0]["lora_rank"] == 64  # a whole model: any rank
     assert _models(tmp_path, adapter_rank=0).meta(_lora(64, unembed=False), BASE)[0]["lora_rank"] == 64
+    with pytest.raises(BadRequest, match="rank 64"):  # an engine that adapts the unembedding: an adapter too
+        _models(tmp_path, adapter_rank=32, adapts_unembedding=True).meta(_lora(64, unembed=True), BASE)
 
 
 def test_more_models_than_the_limit_are_refused_naming_the_key(tmp_path):
@@ -53,11 +55,13 @@ def test_more_models_than_the_limit_are_refused_naming_the_key(tmp_path):
     assert refused.startswith("400 tinker.max_models this server trains at most 2 models at once")
 
 
-def test_an_adapter_reaches_the_engine_unless_the_unembedding_is_trained():
+def test_an_adapter_reaches_the_engine_unless_it_trains_an_unembedding_the_engine_cannot_adapt():
     lora = {"alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     parts = {"train_attn": True, "train_mlp": False}
-    assert served_adapter({"lora_rank": 8, "lora_parts": parts | {"train_unembed": False}}, lora, 32) == \
-        ServedAdapter(8, 16, ("q_proj", "v_proj"))
-    assert served_adapter({"lora_rank": 8, "lora_parts": parts | {"train_unembed": True}}, lora, 32) is None
-    assert served_adapter({"lora_rank": 8, "lora_parts": parts | {"train_unembed": False}}, lora, 0) is None
-    assert served_adapter({"lora_rank": 0, "lora_parts": parts | {"train_unembed": False}}, lora, 32) is None
+    attn, unembed = parts | {"train_unembed": False}, parts | {"train_unembed": True}
+    adapter = ServedAdapter(8, 16, ("q_proj", "v_proj"))
+    assert served_adapter({"lora_rank": 8, "lora_parts": attn}, lora, 32, False) == adapter
+    assert served_adapter({"lora_rank": 8, "lora_parts": unembed}, lora, 32, False) is None  # Qwen2
+    assert served_adapter({"lora_rank": 8, "lora_parts": unembed}, lora, 32, True) == adapter  # Llama
+    assert served_adapter({"lora_rank": 8, "lora_parts": attn}, lora, 0, True) is None
+    assert served_adapter({"lora_rank": 0, "lora_parts": attn}, lora, 32, True) is None

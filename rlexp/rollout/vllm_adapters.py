@@ -43,6 +43,16 @@ def lora_args(max_lora_rank: int, max_loras: int, max_cpu_loras: int) -> dict[st
             "max_cpu_loras": max(max_cpu_loras, max_loras)}
 
 
+def adapts_unembedding(model_config: Any) -> bool:
+    """vLLM serves adapters of this model's unembedding (`lm_head`): its model class names it
+    among its LoRA embedding modules. Llama's classes do; Qwen2's do not, and vLLM refuses such
+    an adapter ("expected target modules in {...}")."""
+    from vllm.model_executor.models import ModelRegistry
+
+    model_class, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+    return "lm_head" in getattr(model_class, "embedding_modules", {})
+
+
 class UnknownAdapter(KeyError):
     """A request named an adapter this engine was never given (or has removed)."""
 

@@ -19,7 +19,7 @@ from rlexp.models.vlm import placeholder_ids
 from rlexp.rollout import reaper, vllm_args, vllm_routing
 from rlexp.rollout.accounting import BusyMeter, count_generated
 from rlexp.rollout.each import generate_each
-from rlexp.rollout.vllm_adapters import Adapters, lora_args
+from rlexp.rollout.vllm_adapters import Adapters, adapts_unembedding, lora_args
 from rlexp.rollout.vllm_groups import Reply, RequestGroups
 from rlexp.rollout.vllm_images import ImagePlaceholders
 from rlexp.rollout.vllm_liveness import engine_alive, watched
@@ -91,6 +91,7 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
         self.adapters = Adapters(max_lora_rank)
         self.policy_adapter: str | None = None  # the adapter every request uses (a LoRA run's policy)
         self._start(kwargs, on_gpu)
+        self.adapts_unembedding = max_lora_rank > 0 and adapts_unembedding(self.llm.model_config)
         self.sampling = SamplingConfig(temperature, top_p, max_response_tokens, seed)
         self.max_model_len = max_model_len
         self.sleeps = enable_sleep_mode and on_gpu

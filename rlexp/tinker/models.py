@@ -43,15 +43,18 @@ class Model:
 
 class Models:
     """`adapter_rank`: the largest LoRA rank the engine serves as an adapter (rollout.max_lora_rank;
-    0: none, every sampler is a whole model); `max_models`: training models at once (each holds
-    its own trainer: a copy of the base model, its adapter, its optimizer state)."""
+    0: none, every sampler is a whole model), `adapts_unembedding`: and of the unembedding too
+    (server.served_adapter); `max_models`: training models at once (each holds its own trainer:
+    a copy of the base model, its adapter, its optimizer state)."""
 
     def __init__(self, base_model: str, store: Store, futures: Futures,
                  build: Callable[[str, dict[str, Any], int | None], tuple[TrainingModel, ModelRun]],
-                 vocab_size: int, max_tokens: int, adapter_rank: int = 0, max_models: int = 8):
+                 vocab_size: int, max_tokens: int, adapter_rank: int = 0, max_models: int = 8,
+                 adapts_unembedding: bool = False):
         self.base_model, self.store, self.futures, self.build = base_model, store, futures, build
         self.vocab_size, self.max_tokens = vocab_size, max_tokens  # of a datum's model_input
         self.adapter_rank, self.max_models = adapter_rank, max_models
+        self.adapts_unembedding = adapts_unembedding
         self.models: dict[str, Model] = {}
         self._creations: dict[str, tuple[str, str]] = {}  # model id -> (body digest, request id)
 
@@ -111,7 +114,9 @@ class Models:
         if rank > MAX_LORA_RANK:
             raise BadRequest(f"lora_config.rank {rank} is over {MAX_LORA_RANK}", "lora_config.rank")
         parts = {k: wire.get(lora, k, bool, True, "lora_config.") for k in LORA_PARTS}
-        if rank > self.adapter_rank > 0 and not parts["train_unembed"]:  # else merged (server.served_adapter)
+        # sampled as an adapter, else merged (server.served_adapter)
+        as_adapter = not parts["train_unembed"] or self.adapts_unembedding
+        if rank > self.adapter_rank > 0 and as_adapter:
             raise BadRequest(f"lora_config.rank {rank}: this server's engine serves adapters up to rank "
                              f"{self.adapter_rank} (rollout.max_lora_rank)", "lora_config.rank")
         if rank and not any(parts.values()):

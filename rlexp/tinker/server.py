@@ -56,9 +56,9 @@ def build(cfg: DictConfig) -> Service:
         with seeding:
             torch.manual_seed(cfg.seed if seed is None else seed)  # the LoRA adapters' initialisation
             trainer = instantiate(cfg.trainer, model_path=str(base_dir), lora=lora)
+        adapter = served_adapter(meta, lora, cfg.rollout.max_lora_rank, engine.adapts_unembedding)
         training = TrainingModel(model_id, trainer, t.base_model, meta["lora_rank"], vocab_size,
-                                 positions - 1, cfg.trainer.micro_batch_tokens,
-                                 served_adapter(meta, lora, cfg.rollout.max_lora_rank))
+                                 positions - 1, cfg.trainer.micro_batch_tokens, adapter)
         params = {"tinker": {"model_id": model_id, "base_model": t.base_model, "model_dir": str(base_dir),
                              "lora": lora | {"seed": seed}, "user_metadata": meta.get("user_metadata")},
                   "trainer": trainer_cfg}
@@ -69,7 +69,7 @@ def build(cfg: DictConfig) -> Service:
         return training, run
 
     models = Models(t.base_model, store, futures, build_model, vocab_size, positions - 1,
-                    cfg.rollout.max_lora_rank, t.max_models)
+                    cfg.rollout.max_lora_rank, t.max_models, engine.adapts_unembedding)
 
     def on_sync(weights: Path, figures: dict[str, float]) -> None:
         model = models.models.get(weights.parent.parent.name)
@@ -83,12 +83,14 @@ def build(cfg: DictConfig) -> Service:
                    str(base_dir.resolve()))
 
 
-def served_adapter(meta: dict[str, Any], lora: dict[str, Any], engine_rank: int) -> ServedAdapter | None:
-    """A LoRA model's sampler weights are its adapter where the engine serves adapters, except
-    with the unembedding trained (Tinker's default): vLLM serves no `lm_head` adapter for
-    Qwen-family models (the tiny model's), so such a model is sampled as a whole model, merged
-    (one engine load per switch), on every architecture."""
-    if not meta["lora_rank"] or not engine_rank or meta["lora_parts"]["train_unembed"]:
+def served_adapter(meta: dict[str, Any], lora: dict[str, Any], engine_rank: int,
+                   adapts_unembedding: bool) -> ServedAdapter | None:
+    """A LoRA model's sampler weights are its adapter where the engine serves adapters, and
+    where it trains the unembedding (Tinker's default) only if the engine adapts that too
+    (vLLM does for Llama's classes, not for Qwen2's: `VLLMEngine.adapts_unembedding`). Else the
+    model is sampled as a whole model, merged (one engine load per switch)."""
+    merged = meta["lora_parts"]["train_unembed"] and not adapts_unembedding
+    if not meta["lora_rank"] or not engine_rank or merged:
         return None
     return ServedAdapter(meta["lora_rank"], lora["alpha"], tuple(lora["target_modules"]))
 
