@@ -5,8 +5,9 @@ official `tinker` SDK (.venv-tinker) against `python -m rlexp.tinker`.
     .venv/bin/python bench/tinker_tenants.py [--rank 8 --rounds 6 --tokens 32] [key=value ...]
 
 One server. Its tenants: four LoRA models of attention + MLP (`train_unembed=False`: sampled
-as adapters) and two that train the unembedding too (Tinker's default: sampled as the merged
-whole model); each takes one SGD step of its own, so no two share weights.
+as adapters) and two full fine-tunes (rank 0: sampled as whole models, as a LoRA model is where
+the engine cannot adapt what it trains); each takes one Adam step of its own, so no two share
+weights.
 
 - **Switch**: `--rounds` rounds of a 1-token sample from each of two tenants in turn (every
   request another model's weights), per kind; seconds per request, median; and the same
@@ -53,9 +54,9 @@ def rss_mb():
         total += int(fields["VmRSS"].split()[0])
     return total / 1024
 
-def tenant(i, unembed):
-    tc = service.create_lora_training_client(base_model="rlexp/tiny-chat", rank=rank, seed=i,
-                                             train_unembed=unembed)
+def tenant(i, lora_rank):  # rank 0: full fine-tuning, sampled as the whole model
+    tc = service.create_lora_training_client(base_model="rlexp/tiny-chat", rank=lora_rank, seed=i,
+                                             train_unembed=False)
     d = types.Datum(model_input=types.ModelInput.from_ints([10 + i, 11, 12, 13]),
                     loss_fn_inputs={"target_tokens": [11, 12, 13, 14 + i], "weights": [1.0] * 4})
     tc.forward_backward([d], "cross_entropy").result()
@@ -66,11 +67,11 @@ prompt = types.ModelInput.from_ints([10, 11, 12, 13])
 memory = [("start", rss_mb())]
 adapters = []
 for i in range(4):
-    adapters.append(tenant(i, False).save_weights_and_get_sampling_client())
+    adapters.append(tenant(i, rank).save_weights_and_get_sampling_client())
     memory.append((f"tenant {i + 1} trainer", rss_mb()))
     adapters[-1].sample(prompt, 1, types.SamplingParams(max_tokens=1)).result()
     memory.append((f"tenant {i + 1} adapter loaded", rss_mb()))
-merged = [tenant(10 + i, True).save_weights_and_get_sampling_client() for i in range(2)]
+merged = [tenant(10 + i, 0).save_weights_and_get_sampling_client() for i in range(2)]
 
 def per_request(samplers):  # one 1-token sample from each in turn: seconds each, median
     one = types.SamplingParams(max_tokens=1, seed=0, temperature=1.0)
