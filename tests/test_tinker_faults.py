@@ -1,7 +1,7 @@
 """The Tinker API server under bad input and faults: 1,000 malformed requests shaped like the
 SDK's get a 4xx (never a 5xx) and leave it serving; two clients driving one model are told
-so; a client that goes away mid-call loses nothing; a killed server restarts from its last
-save_state."""
+so; a client that goes away mid-call loses nothing; a closed session frees its model; a killed
+server restarts from its last save_state."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ POLLS = 60  # retrieve_future answers "not yet" after tinker.poll_s=5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path):
     require_sdk()
-    s = Server(tmp_path_factory.mktemp("tinker_faults"), "tinker.poll_s=5").start()
+    # its tests leave their models open (clients gone without closing, within the session timeout)
+    s = Server(tmp_path_factory.mktemp("tinker_faults"), "tinker.poll_s=5", "tinker.max_models=24").start()
     yield s
     s.stop()
 
@@ -252,6 +253,25 @@ run = service.create_rest_client().get_training_run_by_tinker_path(ARGS[0]).resu
 print(json.dumps({"logprobs": out.loss_fn_outputs[0]["logprobs"].tolist(), "step": step.metrics,
                   "run": run.training_run_id, "last": run.last_checkpoint.tinker_path}))
 """
+
+
+def test_a_closed_session_releases_its_model_whose_saved_state_goes_on(server):
+    """ServiceClient.close(): the session ends (its heartbeat a 410, the SDK's sign to stop), its
+    model's trainer is freed and its MLflow run FINISHED, a call to it is a 410 naming the model,
+    and its saved state loads into a new model, the weights exactly as saved."""
+    from mlflow.tracking import MlflowClient
+
+    saved = sdk(server, TRAIN_AND_SAVE + 'service.close("success").result()\n', BASE_MODEL)
+    model_id = saved["path"].removeprefix("tinker://").split("/")[0]
+    run_id = json.loads((server.state / "runs" / model_id / "meta.json").read_text())["mlflow_run_id"]
+    assert MlflowClient(server.tracking_uri).get_run(run_id).info.status == "FINISHED"
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        beat = client.post(f"{V1}/session_heartbeat", json={"session_id": model_id.split(":train:")[0]})
+        call = post_fb(client, fb_body(model_id, 9, [5, 6, 7], forward_only=True, weights=[1.0] * 3))
+    assert beat.status_code == 410 and "was finished by its client (success)" in beat.json()["detail"]
+    assert call.status_code == 410 and call.json()["field"] == "model_id"
+    assert "released" in call.json()["detail"]
+    assert sdk(server, RESUME, saved["path"])["logprobs"] == saved["logprobs"]
 
 
 def test_a_killed_server_restarts_from_its_last_save_state(server):

@@ -89,9 +89,15 @@ def sdk(server: Server, script: str, *args: str, timeout: float = 600) -> dict:
     prelude = ("import json, sys\nimport tinker\nfrom tinker import types\n"
                "URL, ARGS = sys.argv[1], sys.argv[2:]\n"
                "service = tinker.ServiceClient(base_url=URL)\n")
-    path.write_text(prelude + script)
-    env = os.environ | {"TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+    # Out once its output is: the SDK's event loop runs on a daemon thread, and the interpreter's
+    # teardown beside it (torch loaded) has crashed under load after a script's work was done
+    # (status non-zero, output complete and flushed by that teardown, no traceback).
+    epilogue = "\nsys.stdout.flush()\nsys.stderr.flush()\nimport os\nos._exit(0)\n"
+    path.write_text(prelude + script + epilogue)
+    env = os.environ | {"TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1",
+                        "PYTHONFAULTHANDLER": "1"}  # a crash prints its threads' stacks
     out = subprocess.run([str(TINKER_PYTHON), str(path), server.url, *args], capture_output=True, text=True,
                          timeout=timeout, env=env, cwd=server.root)
-    assert out.returncode == 0, f"SDK client failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    assert out.returncode == 0, (f"SDK client exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                                 f"{out.stderr[-6000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -109,8 +109,8 @@ def add_client_routes(app: FastAPI, service: Service, body: Body) -> None:
         return {"type": "session_heartbeat"}
 
     @app.post(V1 + "/sessions/{session_id}/finish")
-    async def finish(session_id: str):
-        service.session(session_id, "session_id")
+    async def finish(session_id: str, request: Request):
+        await service.finish(session_id, (await body(request))[0])
         return Response(status_code=204)
 
     @app.get(V1 + "/sessions/{session_id}")

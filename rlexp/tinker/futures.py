@@ -104,8 +104,13 @@ class Lane:
         """`call` on this model's thread after everything queued (not a numbered call)."""
         return await asyncio.wrap_future(self._thread.submit(call))
 
-    def close(self) -> None:
+    def close(self, why: str = "the server is stopping") -> None:
+        """No more calls: those waiting for an earlier number fail (410, `why`)."""
         self._thread.shutdown(wait=False, cancel_futures=True)
+        for waiting in self._waiting.values():
+            if waiting is not None and not waiting[1].done():
+                waiting[1].set_exception(BadRequest(f"not run: {why}", "seq_id", 410))
+        self._waiting.clear()
 
 
 def settle(future: asyncio.Future, done: asyncio.Future) -> None:

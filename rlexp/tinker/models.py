@@ -7,8 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ class Model:
     run: ModelRun | None = None
     ephemeral: int = 0  # unnamed sampler weights saved so far
     saves: int = 0  # unnamed states saved so far
+    last_call: float = field(default_factory=time.time)
+    released: str | None = None  # why its session ended: no call is taken after that
 
 
 class Models:
@@ -57,18 +60,49 @@ class Models:
         self.adapts_unembedding = adapts_unembedding
         self.models: dict[str, Model] = {}
         self._creations: dict[str, tuple[str, str]] = {}  # model id -> (body digest, request id)
+        self.released: dict[str, str] = {}  # model id -> why (its session ended)
 
     def get(self, model_id: Any, where: str = "model_id") -> Model:
+        """The model a new call is for (410 once its session has ended)."""
+        why = self.released.get(model_id) if isinstance(model_id, str) else None
+        if why is None and model_id in self.models:
+            why = self.models[model_id].released
+        if why is not None:
+            raise BadRequest(f"model {model_id} was released: its session {why}; load one of its saved "
+                             "states into a new model to go on", where, 410)
         if not isinstance(model_id, str) or model_id not in self.models:
             raise not_found("model_id", str(model_id), where)
-        return self.models[model_id]
+        model = self.models[model_id]
+        model.last_call = time.time()
+        return model
+
+    def of_session(self, session_id: str) -> list[str]:
+        return [m for m in self.models if m.startswith(f"{session_id}:")]
+
+    async def release(self, model_id: str, why: str, status: str = "FINISHED") -> None:
+        """Free a model's trainer once the calls it has queued have run (its session ended: `why`);
+        its saved states stay on disk, and its MLflow run ends with `status`."""
+        model = self.models[model_id]
+        model.released = why
+
+        def free() -> None:
+            if model.run is not None:
+                model.run.end(status)
+            model.training = None
+
+        await model.lane.run_now(free)
+        model.lane.close(f"its session {why}")
+        del self.models[model_id]
+        self.released[model_id] = why
+        log.info("tinker: released model %s (its session %s)", model_id, why)
 
     def runs_in(self, run_id: str) -> bool:
         """A model of this server logs to MLflow run `run_id`."""
         return any(m.run is not None and m.run.run_id == run_id for m in self.models.values())
 
     def ready(self, model_id: Any) -> TrainingModel:
-        model = self.get(model_id)
+        """A queued call's trainer (a call queued before its model's release still runs)."""
+        model = self.models[model_id]
         if model.training is None:
             raise BadRequest(f"model {model_id} is still being created", "model_id", 409)
         return model.training

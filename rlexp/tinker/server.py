@@ -5,6 +5,7 @@ SDK at it with TINKER_BASE_URL=http://<host>:<port> and any TINKER_API_KEY start
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -80,7 +81,7 @@ def build(cfg: DictConfig) -> Service:
     sampler = Sampler(engine, base_dir, float("inf") if bound is None else bound, on_sync,
                       cfg.rollout.max_cpu_loras)
     return Service(t.base_model, models, sampler, store, vocab_size, cfg.rollout.max_model_len, t.poll_s,
-                   str(base_dir.resolve()))
+                   str(base_dir.resolve()), t.session_timeout_s)
 
 
 def served_adapter(meta: dict[str, Any], lora: dict[str, Any], engine_rank: int,
@@ -106,9 +107,11 @@ async def serve(cfg: DictConfig) -> None:
                                             lifespan="off", access_log=False))
     task = server.serve()
     log.info("tinker: serving %s", t.base_model)
+    reaper = asyncio.ensure_future(_expire_sessions(service))
     try:
         await _announce(server, task, t.host, t.base_model)
     finally:
+        reaper.cancel()
         for model in service.models.models.values():
             model.lane.close()
             if model.run is not None:
@@ -144,9 +147,16 @@ class SignalledServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-async def _announce(server: uvicorn.Server, serving: Any, host: str, base_model: str) -> None:
-    import asyncio
+async def _expire_sessions(service: Service) -> None:
+    """Release the models of clients that went away without closing their session."""
+    while True:
+        await asyncio.sleep(min(service.session_timeout_s / 4, 30))
+        for session_id in await service.expire():
+            log.warning("tinker: session %s expired (no heartbeat or call for %g s): its models released",
+                        session_id, service.session_timeout_s)
 
+
+async def _announce(server: uvicorn.Server, serving: Any, host: str, base_model: str) -> None:
     task = asyncio.ensure_future(serving)
     while not server.started and not task.done():
         await asyncio.sleep(0.05)

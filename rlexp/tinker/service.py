@@ -23,10 +23,16 @@ MAX_SAMPLES = 256  # num_samples of one request
 MAX_TOPK = 20  # vLLM's max_logprobs
 
 
+# How a session's finish reason ends its models' MLflow runs; a session that stops heartbeating
+# (its client gone) is ended as interrupted.
+RUN_STATUS = {"success": "FINISHED", "errored": "FAILED", "interrupted": "KILLED"}
+
+
 @dataclass
 class Session:
     user_metadata: dict[str, Any]
     last_seen: float = field(default_factory=time.time)
+    ended: str | None = None  # why it ended (finished by its client, or expired)
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,12 @@ class SamplingSession:
 
 class Service:
     def __init__(self, base_model: str, models: Models, sampler: Sampler, store: Store, vocab_size: int,
-                 max_model_len: int, poll_s: float, tokenizer_dir: str):
+                 max_model_len: int, poll_s: float, tokenizer_dir: str, session_timeout_s: float = 300):
         """`tokenizer_dir`: the served model's directory, which a client's `get_tokenizer()`
-        loads with no model hub (AutoTokenizer.from_pretrained of the `tokenizer_id` reported)."""
+        loads with no model hub (AutoTokenizer.from_pretrained of the `tokenizer_id` reported);
+        `session_timeout_s`: a session with no heartbeat and no call for this long has ended
+        (its client is gone) and its models are released."""
+        self.session_timeout_s = session_timeout_s
         self.base_model, self.models, self.sampler, self.store = base_model, models, sampler, store
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size, self.max_model_len, self.poll_s = vocab_size, max_model_len, poll_s
@@ -59,11 +68,39 @@ class Service:
         return {"type": "create_session", "session_id": session_id}
 
     def session(self, session_id: Any, where: str = "session_id") -> Session:
+        """A live session (410 once ended: the SDK's heartbeat stops on it)."""
         if not isinstance(session_id, str) or session_id not in self.sessions:
             raise not_found("session", str(session_id), where)
         s = self.sessions[session_id]
+        if s.ended is not None:
+            raise BadRequest(f"session {session_id} {s.ended}", where, 410)
         s.last_seen = time.time()
         return s
+
+    async def finish(self, session_id: str, body: dict[str, Any]) -> None:
+        """The client's ServiceClient.close(status): the session ends, its models are released."""
+        session = self.session(session_id, "session_id")
+        reason = wire.get(wire.get(body, "reason", dict, {"type": "success"}), "type", str, "success",
+                          "reason.")
+        if reason not in RUN_STATUS:
+            raise BadRequest(f"reason.type {reason!r} is not one of {sorted(RUN_STATUS)}", "reason.type")
+        await self._end(session_id, session, f"was finished by its client ({reason})", RUN_STATUS[reason])
+
+    async def expire(self, now: float | None = None) -> list[str]:
+        """End the sessions whose clients are gone (no heartbeat or call for session_timeout_s)."""
+        now, expired = time.time() if now is None else now, []
+        for session_id, session in list(self.sessions.items()):
+            calls = [self.models.models[m].last_call for m in self.models.of_session(session_id)]
+            if session.ended is None and now - max([session.last_seen, *calls]) > self.session_timeout_s:
+                why = f"expired: no heartbeat or call for {self.session_timeout_s:g} s"
+                await self._end(session_id, session, why, "KILLED")
+                expired.append(session_id)
+        return expired
+
+    async def _end(self, session_id: str, session: Session, why: str, status: str) -> None:
+        session.ended = why
+        models = self.models.of_session(session_id)
+        await asyncio.gather(*(self.models.release(m, why, status) for m in models))
 
     # ---- training models -----------------------------------------------------------------------
 
@@ -115,6 +152,7 @@ class Service:
 
     def get_info(self, body: dict[str, Any]) -> dict[str, Any]:
         model_id = wire.get(body, "model_id", str)
+        self.models.get(model_id)
         training = self.models.ready(model_id)
         return {"type": "get_info", "model_id": model_id,
                 # vocab_size: the model's rows (token ids 0..vocab_size-1), which can be more than
@@ -159,6 +197,7 @@ class Service:
         sampler_id = wire.get(body, "sampling_session_id", str)
         if sampler_id not in self.samplers:
             raise not_found("sampling session", sampler_id, "sampling_session_id")
+        self.session(sampler_id.rsplit(":sample:", 1)[0], "sampling_session_id")
         prompt = wire.tokens(body.get("prompt"), "prompt")
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if not prompt or bad is not None:
