@@ -41,7 +41,6 @@ class Model:
     ephemeral: int = 0  # unnamed sampler weights saved so far
     saves: int = 0  # unnamed states saved so far
     last_call: float = field(default_factory=time.time)
-    released: str | None = None  # why its session ended: no call is taken after that
 
 
 class Models:
@@ -60,13 +59,11 @@ class Models:
         self.adapts_unembedding = adapts_unembedding
         self.models: dict[str, Model] = {}
         self._creations: dict[str, tuple[str, str]] = {}  # model id -> (body digest, request id)
-        self.released: dict[str, str] = {}  # model id -> why (its session ended)
+        self.released: dict[str, str] = {}  # model id -> why its session ended
 
     def get(self, model_id: Any, where: str = "model_id") -> Model:
         """The model a new call is for (410 once its session has ended)."""
         why = self.released.get(model_id) if isinstance(model_id, str) else None
-        if why is None and model_id in self.models:
-            why = self.models[model_id].released
         if why is not None:
             raise BadRequest(f"model {model_id} was released: its session {why}; load one of its saved "
                              "states into a new model to go on", where, 410)
@@ -83,7 +80,7 @@ class Models:
         """Free a model's trainer once the calls it has queued have run (its session ended: `why`);
         its saved states stay on disk, and its MLflow run ends with `status`."""
         model = self.models[model_id]
-        model.released = why
+        self.released[model_id] = why  # no new call from now; the queued ones still run
 
         def free() -> None:
             if model.run is not None:
@@ -93,7 +90,6 @@ class Models:
         await model.lane.run_now(free)
         model.lane.close(f"its session {why}")
         del self.models[model_id]
-        self.released[model_id] = why
         log.info("tinker: released model %s (its session %s)", model_id, why)
 
     def runs_in(self, run_id: str) -> bool:
