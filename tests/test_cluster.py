@@ -26,6 +26,9 @@ from tests.engine_helpers import TEMPERATURE, _max_logprob_diff, _prompts, _publ
 from tests.test_engines_interrupted import _mid_generation, _new_weights
 
 RESTART_FAILSAFE_S = 600  # turns a restart that never comes into a failure
+# tokens of a long generation (the prompts leave 256 - 25 positions): a replica's second request
+# can reach vLLM some 50 tokens after its first on a loaded machine, and both must be running
+LONG = 200
 
 
 # ---- a real Ray cluster of three nodes: a vLLM replica of the tiny model on each worker node ----
@@ -120,26 +123,33 @@ async def _ready(pool):
 
 
 def _watch(replica, tokens: int) -> None:
-    """In a replica's process (Ray's `__ray_call__`): once one of its requests has streamed
-    `tokens` tokens from vLLM and is not finished, its engine's `mid_flight()` (reached by
-    `call_engine`) stops the engine process there (SIGSTOP) until `_go`: the other replica,
-    however far behind on a loaded machine, gets there too before the update."""
-    mid = _mid_generation(replica.engine, 1, tokens)
+    """In a replica's process (Ray's `__ray_call__`): once both of its requests have streamed
+    `tokens` tokens from vLLM and are not finished, its engine's `mid_flight()` (reached by
+    `call_engine`) freezes them there with vLLM's keep pause, until the update's own pause and
+    resume. The engine process is stopped (SIGSTOP) while that pause is sent, so it takes it
+    within a step or so of going on: the other replica, however far behind on a loaded
+    machine, gets there too before the update, and no request finishes first."""
+    mid = _mid_generation(replica.engine, 2, tokens)
 
     async def held() -> None:
         await mid.wait()
-        replica.held = [p for p in psutil.Process().children() if "EngineCore" in " ".join(p.cmdline())]
-        for p in replica.held:
+        cores = [p for p in psutil.Process().children() if "EngineCore" in " ".join(p.cmdline())]
+        for p in cores:
             p.suspend()
+        try:
+            llm = replica.engine.llm
+            freeze = asyncio.ensure_future(llm.pause_generation(mode="keep", clear_cache=False))
+            await asyncio.sleep(0.05)  # the pause on its way to the stopped process
+        finally:
+            for p in cores:
+                p.resume()
+        await freeze
 
     replica.engine.mid_flight = held
 
 
 def _go(replica) -> None:
-    """The replica's engine process goes on; vLLM's own generate again, no more watching."""
-    for p in getattr(replica, "held", []):
-        p.resume()
-    replica.held = []
+    """vLLM's own generate again, no more watching."""
     replica.engine.__dict__.pop("mid_flight", None)
     replica.engine.llm.__dict__.pop("generate", None)
 
@@ -150,7 +160,7 @@ def _go(replica) -> None:
 def test_an_update_mid_generation_on_both_replicas_and_the_tokens_they_prefilled_again(ray_pool,
                                                                                      tiny_model_path,
                                                                                      tokenizer, mode):
-    """Long generations on both replicas, a weight update while each replica has one running:
+    """Long generations on both replicas, a weight update while each has both of its running:
     every generation goes on to its full length, its tokens after the update tagged with the
     new version. keep: no replica prefilled anything again (the pool's sum: 0), the tokens after
     the update mixed; abort: each replica re-sent its cut-short requests, and the pool's
@@ -158,7 +168,7 @@ def test_an_update_mid_generation_on_both_replicas_and_the_tokens_they_prefilled
     pool = _fresh(ray_pool)
     trainer = _trainer(tiny_model_path)
     prompts = _prompts(tokenizer)[:2] * 2  # 2 per replica (least loaded), different prompts on each
-    long = [SamplingConfig(TEMPERATURE, 1.0, 96, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    long = [SamplingConfig(TEMPERATURE, 1.0, LONG, seed=i, ignore_eos=True) for i in range(len(prompts))]
 
     def go():
         return asyncio.gather(*(a.__ray_call__.remote(_go) for a in pool.actors))
@@ -171,8 +181,7 @@ def test_an_update_mid_generation_on_both_replicas_and_the_tokens_they_prefilled
             reqs = [asyncio.create_task(pool.generate(p, s)) for p, s in zip(prompts, long)]
             # (a request that fails instead stops the wait: the test fails below)
             await asyncio.wait([held, asyncio.gather(*reqs)], return_when=asyncio.FIRST_COMPLETED)
-            await go()  # both replicas mid-generation: on, and the update right away
-            await _new_weights(trainer, pool, mode)
+            await _new_weights(trainer, pool, mode)  # both replicas frozen mid-generation
             return await asyncio.gather(*reqs)
         finally:
             await go()
@@ -182,7 +191,7 @@ def test_an_update_mid_generation_on_both_replicas_and_the_tokens_they_prefilled
     print(f"{mode}: tokens prefilled again per replica {again}, the pool's sum {pool.busy.prefilled_again}; "
           f"tokens before the update {[g.versions.count(0) for g in gens]}")
     assert m["replica/0/requests"] == m["replica/1/requests"] == 2
-    assert all(len(g.token_ids) == len(g.versions) == 96 and g.finish_reason == "length" for g in gens)
+    assert all(len(g.token_ids) == len(g.versions) == LONG and g.finish_reason == "length" for g in gens)
     assert all(g.versions[0] == 0 and g.versions[-1] == 1 and g.versions == sorted(g.versions)
                for g in gens), [g.versions.count(0) for g in gens]
     mixed = [(g.mixed_from, g.context_version) for g in gens]
