@@ -33,6 +33,8 @@ def test_a_sync_that_stops_landing_stops_the_run_and_its_checkpoint_resumes(tmp_
             log, expect=3)
     out = log.read_text()
     assert "rlexp: run stopped: step 3: the weight sync to policy version 2 did not land" in out
+    p99, mean = map(float, re.search(r"has p99 ([\d.e-]+), max [\d.e-]+ and mean ([\d.e-]+)", out).groups())
+    assert p99 / 10 < mean <= p99  # the engine held older weights: most tokens off, as the message reads it
     assert f"checkpoint of step 2 saved to {run_dir}/checkpoints/step_2" in out
     c, run = _run(store)
     assert run.info.status == "FAILED" and _steps(c, run, "train/loss") == [1, 2]

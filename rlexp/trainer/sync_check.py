@@ -102,10 +102,12 @@ class SyncCheck:
         return out
 
     def message(self, version: int, figures: dict[str, float]) -> str:
+        p99, top, mean = (figures[f"sync/logprob_diff_{k}"] for k in ("p99", "max", "mean"))
         return (f"the weight sync to policy version {version} did not land: on the "
                 f"{figures['sync/tokens']:.0f} tokens the engine generated at version {version}, "
-                f"|logprob(trainer) - logprob(engine)| has p99 {figures['sync/logprob_diff_p99']:.3g} "
-                f"and max {figures['sync/logprob_diff_max']:.3g}, over the bound {self.bound:g} "
+                f"|logprob(trainer) - logprob(engine)| has p99 {p99:.3g}, max {top:.3g} and mean {mean:.3g} "
+                f"(a mean within 10x of the p99: most tokens are off, the engine holds other weights; far "
+                f"under it: a few are, e.g. from a stale cache), over the bound {self.bound:g} "
                 f"({' / '.join(self.dtypes)}; healthy syncs measure far under it, docs/checks.md). "
                 f"Likely causes: {CAUSES}. Stopped before the optimizer step. Certify the setup with "
                 "`python -m rlexp.check <this run's overrides>`; trainer.sync_check.bound sets the bound "
