@@ -38,9 +38,11 @@ HYDRA, TINKER = "Hydra run (python -m rlexp.run)", "Tinker script (examples/tink
 
 def hydra_overrides(seed: int, steps: int, rank: int, lr: float, *extra: str) -> list[str]:
     """The Hydra run: the default experiment, LoRA `rank`, a constant `lr`; `extra` overrides
-    (another model or data size: the server must serve the same model)."""
-    return [f"seed={seed}", f"trainer.total_steps={steps}", f"trainer.lora.rank={rank}",
-            f"trainer.optimizer.lr={lr}", "trainer.lr_schedule=constant",
+    (another model or data size: the server must serve the same model). The seed varies the
+    data order, the samples and the adapters' init, not the model: the tiny model's recipe
+    takes the run's seed by default (conf/model/tiny.yaml), the server's is seed 0's."""
+    return [f"seed={seed}", "model.seed=0", "model.task_seed=0", f"trainer.total_steps={steps}",
+            f"trainer.lora.rank={rank}", f"trainer.optimizer.lr={lr}", "trainer.lr_schedule=constant",
             "trainer.ref_kl_every_n_steps=0", "checkpoint.every_n_steps=0", *extra]
 
 
