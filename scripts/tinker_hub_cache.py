@@ -9,24 +9,27 @@ with synthetic arithmetic data under the real dataset names and a locally built 
         .venv-tinker/bin/python -m tinker_cookbook.recipes.sl_loop base_url=... model_name=...
 
 writes, under ROOT (as HF_HOME lays them out):
-- hub/datasets--HuggingFaceH4--no_robots and hub/datasets--openai--gsm8k: hub-layout repos
-  (refs/main, snapshots/<rev>/ with a README.md whose `configs` name the parquet files), as the
-  real ones: no_robots config `default` (prompt, prompt_id, messages, category), gsm8k config
-  `main` (question, answer ending `#### <number>`), splits train and test.
-- datasets/HuggingFaceH4___no_robots and datasets/openai___gsm8k: the same rows prepared as
-  `load_dataset` caches them. Offline, `load_dataset("HuggingFaceH4/no_robots")` and
-  `load_dataset("openai/gsm8k", "main")` read only this cache (datasets never reads hub/ then).
+- hub/datasets--HuggingFaceH4--no_robots, hub/datasets--openai--gsm8k and
+  hub/datasets--zwhe99--DeepMath-103K: hub-layout repos (refs/main, snapshots/<rev>/ with a
+  README.md whose `configs` name the parquet files), as the real ones: no_robots config `default`
+  (prompt, prompt_id, messages, category), gsm8k config `main` (question, answer ending
+  `#### <number>`), splits train and test; DeepMath config `default` (question, final_answer,
+  difficulty, topic, r1_solution_1..3), split train only (recipes/distillation's `deepmath`).
+- datasets/HuggingFaceH4___no_robots, datasets/openai___gsm8k and datasets/zwhe99___deep_math-103_k:
+  the same rows prepared as `load_dataset` caches them. Offline, `load_dataset` of these names
+  reads only this cache (datasets never reads hub/ then).
 - with --tokenizer: hub/models--<org>--<name>, a model repo of DIR's files (and, without a
   config.json there, the hub cache's record that it has none), which
   `AutoTokenizer.from_pretrained(model id)` (tinker_cookbook's `get_tokenizer`) loads offline.
 
 Every row is made here (no download): "What is 12 + 7?", answered `\\boxed{19}` (no_robots) or
-`12 + 7 = <<12+7=19>>19` then `#### 19` (gsm8k). The same arguments give the same rows, and both
-datasets the same problems. --format rl_loop: each no_robots conversation is the prompt that
-recipes/rl_loop.py builds (its strawberry exchange, then the question with its suffix " Provide a
-numerical answer without units, written inside \\boxed{}.") answered `\\boxed{19}`: sl_loop on it
-teaches exactly rl_loop's format (scripts/tinker_cookbook_demo.sh: SFT, then RL). --ops and
---max-operand pick the problems (operands 0..max, products 0..12 at most); --with-replacement draws
+`12 + 7 = <<12+7=19>>19` then `#### 19` (gsm8k), final_answer `19` (DeepMath). The same arguments
+give the same rows, and every dataset the same problems. --format rl_loop: each no_robots
+conversation is the prompt that recipes/rl_loop.py builds (its strawberry exchange, then the
+question with its suffix " Provide a numerical answer without units, written inside \\boxed{}.")
+answered `\\boxed{19}`: sl_loop on it teaches exactly rl_loop's format
+(scripts/tinker_cookbook_lab.py: SFT, then RL), and DeepMath's questions carry the same suffix.
+--ops and --max-operand pick the problems (operands 0..max, products 0..12 at most); --with-replacement draws
 rows independently (repeats, and test rows among the train rows), for more rows than distinct
 problems.
 Runs with the main venv's Python or .venv-tinker's (datasets and huggingface_hub).
@@ -50,7 +53,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"  # before datasets is imported: it reads the flag once
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-NO_ROBOTS, GSM8K = "HuggingFaceH4/no_robots", "openai/gsm8k"
+NO_ROBOTS, GSM8K, DEEPMATH = "HuggingFaceH4/no_robots", "openai/gsm8k", "zwhe99/DeepMath-103K"
 NO_ROBOTS_CARD = """---
 configs:
 - config_name: default
@@ -72,6 +75,15 @@ configs:
     path: main/test-*
 ---
 Synthetic arithmetic problems in openai/gsm8k's format (scripts/tinker_hub_cache.py).
+"""
+DEEPMATH_CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*
+---
+Synthetic arithmetic problems in zwhe99/DeepMath-103K's format (scripts/tinker_hub_cache.py).
 """
 
 
@@ -119,6 +131,13 @@ def gsm8k_row(expr: str, value: int) -> dict:
             "answer": f"{expr} = <<{expr.replace(' ', '')}={value}>>{value}\n#### {value}"}
 
 
+def deepmath_row(expr: str, value: int, fmt: str = "plain") -> dict:
+    solution = f"{expr} = {value}. \\boxed{{{value}}}"
+    return {"question": f"What is {expr}?" + (RL_LOOP_SUFFIX if fmt == "rl_loop" else ""),
+            "final_answer": str(value), "difficulty": 1.0, "topic": "Mathematics -> Algebra -> Prealgebra",
+            "r1_solution_1": solution, "r1_solution_2": solution, "r1_solution_3": solution}
+
+
 def write_dataset(stage: Path, card: str, folder: str, splits: dict[str, list[dict]]) -> None:
     """The repo's files in `stage`: README.md and FOLDER/<split>-00000-of-00001.parquet."""
     import datasets
@@ -134,13 +153,15 @@ def prepare(stage: Path, repo_id: str, config: str, datasets_cache: Path) -> Non
     loaded from the hub: datasets_cache/<org>___<name>/<config>/0.0.0/<hash>/. Prepared from the
     local folder (a builder given repo_id wants hf:// files), then moved under the repo's name."""
     import datasets
+    from datasets.naming import camelcase_to_snakecase  # how datasets names its cache folders
 
     local_cache = stage.parent / "prepared"
     datasets.load_dataset_builder(str(stage), config, cache_dir=str(local_cache)).download_and_prepare()
-    target = datasets_cache / repo_id.replace("/", "___")
+    org, name = repo_id.split("/")
+    target = datasets_cache / f"{org}___{camelcase_to_snakecase(name)}"
     shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(local_cache / stage.name, target)
+    shutil.move(local_cache / camelcase_to_snakecase(stage.name), target)
 
 
 def add_repo(hub: Path, kind: str, repo_id: str, files: Path) -> str:
@@ -192,14 +213,17 @@ def main() -> None:
         for repo_id, config, card, folder, make_row in [
                 (NO_ROBOTS, "default", NO_ROBOTS_CARD, "data",
                  lambda expr, value: no_robots_row(expr, value, args.format)),
-                (GSM8K, "main", GSM8K_CARD, "main", gsm8k_row)]:
+                (GSM8K, "main", GSM8K_CARD, "main", gsm8k_row),
+                (DEEPMATH, "default", DEEPMATH_CARD, "data",
+                 lambda expr, value: deepmath_row(expr, value, args.format))]:
             stage = Path(tmp) / repo_id.split("/")[1]  # its name becomes the cache's dataset name
-            splits = {split: [make_row(*p) for p in ps] for split, ps in split_rows.items()}
+            splits = {split: [make_row(*p) for p in ps] for split, ps in split_rows.items()
+                      if f"split: {split}" in card}  # DeepMath has a train split only
             write_dataset(stage, card, folder, splits)
             rev = add_repo(hub, "dataset", repo_id, stage)
             prepare(stage, repo_id, config, datasets_cache)
             print(f"tinker_hub_cache: {repo_id} ({config}) rev {rev[:12]}: "
-                  f"{args.train_rows} train, {args.test_rows} test rows")
+                  + ", ".join(f"{len(rows)} {split}" for split, rows in splits.items()) + " rows")
     if args.tokenizer:
         rev = add_repo(hub, "model", args.model_id, args.tokenizer)
         print(f"tinker_hub_cache: {args.model_id} rev {rev[:12]} = {args.tokenizer}")
