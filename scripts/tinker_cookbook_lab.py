@@ -2,8 +2,8 @@
 rl_loop (RL from the SFT'd weights) and the on-policy distillation recipe (a student taught by the
 SFT'd weights as its teacher), each unchanged, on the tiny model (served under a cookbook model name).
 
-    .venv/bin/python scripts/tinker_cookbook_lab.py OUT [--sl-steps 150] [--rl-steps 40]
-                                                    [--distill-steps 30] [--max-operand 3]
+    .venv/bin/python scripts/tinker_cookbook_lab.py OUT [--sl-steps 150] [--rl-steps 50]
+                                                    [--distill-steps 20] [--max-operand 1] [--plot PNG]
 
 1. OUT/hf: the offline hub cache (scripts/tinker_hub_cache.py --format rl_loop: no_robots, gsm8k and
    DeepMath rows of sums of operands 0..max, in rl_loop's prompt; the tiny tokenizer under the alias).
@@ -13,6 +13,9 @@ SFT'd weights as its teacher), each unchanged, on the tiny model (served under a
    (its own resume: a checkpoints.jsonl row in its log_path naming the state, batch 0); then the
    distillation recipe: the student the base model (LoRA), the teacher the SFT's sampler weights
    (`teacher_model` the same base name, `teacher_checkpoint` its tinker:// path), `dataset=deepmath`.
+   Rank 0 is rlexp's full fine-tune (a LoRA rank the SDK sends as given): the 2-layer model learns
+   rl_loop's format from a LoRA SFT too slowly to start RL (docs/tinker.md), and rl_loop trains the
+   weights its state holds, so it is a full fine-tune too.
 4. together: the same three started at once against the same server.
 5. Each run's own metrics.jsonl: sl_loop's train_mean_nll, rl_loop's reward/total, distillation's
    teacher_kl; alone against together. Prints them, then `ratio:` rl_loop's mean reward over its
@@ -121,21 +124,42 @@ def final_sft(log: Path) -> dict[str, str]:
     return [r for r in rows if r["name"] == "final"][-1]
 
 
+def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    titles = {"sl": "sl_loop (SFT, full weights)", "rl": "rl_loop (from the SFT, full weights)",
+              "distill": "on-policy distillation (LoRA student, SFT teacher)"}
+    for ax, (name, key) in zip(axes, HEADLINE.items()):
+        for when, style in (("alone", "-"), ("together", "--")):
+            ax.plot(range(len(curves[when][name])), curves[when][name], style, label=when)
+        ax.set_title(titles[name], fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--max-operand", type=int, default=3)
+    parser.add_argument("--max-operand", type=int, default=1)
     parser.add_argument("--sl-steps", type=int, default=150)
     parser.add_argument("--sl-batch", type=int, default=16)
     parser.add_argument("--sl-lr", type=float, default=1e-3)
-    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--rl-steps", type=int, default=50)
     parser.add_argument("--rl-batch", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rl-lr", type=float, default=1e-4)
-    parser.add_argument("--distill-steps", type=int, default=30)
+    parser.add_argument("--rl-lr", type=float, default=2e-4)
+    parser.add_argument("--distill-steps", type=int, default=20)
     parser.add_argument("--distill-lr", type=float, default=1e-3)
     parser.add_argument("--distill-rank", type=int, default=32)
+    parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     out = args.out.resolve()
     if out.exists():
@@ -155,9 +179,13 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=120)
+    curves = {when: {name: metric(log, name) for name in HEADLINE} for when, log in
+              (("alone", alone), ("together", together))}
+    if args.plot:
+        plot(curves, args.plot)
     half = {}
     for name, key in HEADLINE.items():
-        a, t = metric(alone, name), metric(together, name)
+        a, t = curves["alone"][name], curves["together"][name]
         print(f"{name} {key} alone:    " + " ".join(f"{x:.3f}" for x in a))
         print(f"{name} {key} together: " + " ".join(f"{x:.3f}" for x in t))
         h = len(a) // 2
