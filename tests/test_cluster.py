@@ -1,12 +1,13 @@
 """cluster=ray on a real Ray cluster of three nodes on this host (tests/ray_nodes.py: a head
 with no CPUs, where this process connects, and two worker nodes) with a vLLM replica of the
 tiny model on each worker node: weights reach every replica, through Ray's object store
-across nodes too; an update mid-generation on both replicas (keep: nothing prefilled
-again, the tokens after it tagged with the new version; abort: the tokens each replica
-prefilled again, summed by the pool); a SIGKILLed replica is restarted on its node with the
-current weights while its requests finish elsewhere; a node that cannot read the model is
-named before anything starts; the ways of naming the cluster (cluster.address, RAY_ADDRESS,
-auto) join it. The RolloutPool's routing and fault handling over fake replicas: tests/test_pool.py."""
+across nodes too, and a LoRA run's adapter alone; an update mid-generation on both replicas
+(keep: nothing prefilled again, the tokens after it tagged with the new version; abort: the
+tokens each replica prefilled again, summed by the pool); a SIGKILLed replica is restarted on
+its node with the current weights while its requests finish elsewhere; a node that cannot read
+the model is named before anything starts; the ways of naming the cluster (cluster.address,
+RAY_ADDRESS, auto) join it. The RolloutPool's routing and fault handling over fake replicas:
+tests/test_pool.py."""
 
 import asyncio
 import os
@@ -42,7 +43,8 @@ def ray_pool(nodes, tiny_model_path):
     cluster = RayCluster(address=nodes.address, replicas=2, max_restarts=2, strategy="SPREAD")
     rollout = OmegaConf.create({"_target_": "rlexp.rollout.vllm_engine.VLLMEngine", "seed": 0,
                                 "max_model_len": 256, "kv_cache_gb": 0.25, "max_num_seqs": 32,
-                                "weight_transfer_backend": None, "replicas": 2, "gpus_per_replica": 1})
+                                "weight_transfer_backend": None, "replicas": 2, "gpus_per_replica": 1,
+                                "max_lora_rank": 8})  # LoRA adapters too (weight_transfer=lora_adapter)
     try:
         cluster.rollout_engine(rollout, tiny_model_path, RamFileTransport)
         yield cluster
@@ -245,6 +247,46 @@ def test_a_sigkilled_replica_is_restarted_with_the_current_weights(ray_pool, tin
 
 @pytest.mark.ray
 @pytest.mark.vllm
+def test_a_lora_runs_adapter_reaches_every_replica_as_the_trainers_policy(ray_pool, tiny_model_path,
+                                                                         tokenizer):
+    from rlexp.trainer.models import LORA_TARGETS
+    from rlexp.weights.adapter_file import POLICY, AdapterFileTransport
+    from tests.test_lora_engine import RANK, _lora_trainer, _move
+    from tests.test_lora_engine import TEMPERATURE as LORA_TEMPERATURE
+
+    pool = _fresh(ray_pool)
+    trainer = _lora_trainer(tiny_model_path)
+    transport = AdapterFileTransport(RANK, 16, LORA_TARGETS)
+    prompts = _prompts(tokenizer)
+    sampling = SamplingConfig(temperature=LORA_TEMPERATURE, max_tokens=12, seed=5)
+
+    async def main():
+        _move(trainer)  # lora_B starts at 0: moved, the policy is not the base model
+        base = await _per_replica(pool, prompts, sampling)
+        await transport.transfer(trainer.adapter_weights(), pool, 6)
+        return base, await _per_replica(pool, prompts, sampling)
+
+    async def restore():  # the module's replicas as found: the base model alone
+        await asyncio.gather(*(a.call_engine.remote("remove_adapter", POLICY) for a in pool.actors))
+
+    try:
+        base, gens = asyncio.run(main())
+    finally:
+        transport.close()
+        asyncio.run(restore())
+    diffs = [_max_logprob_diff(trainer, prompts, g) for g in gens]
+    print(f"adapter: max |logprob(replica) - logprob(trainer)| per replica {diffs}; "
+          f"{transport.bytes_sent} bytes sent")
+    assert min(_max_logprob_diff(trainer, prompts, g) for g in base) > 1e-2  # tells the adapter apart
+    assert max(diffs) < 1e-4, diffs  # float32, as test_lora_engine's one engine
+    assert transport.bytes_sent == sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+    assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]  # per-request seeds
+    assert all(g.versions == [6] * len(g.token_ids) for r in gens for g in r)
+    assert pool.version == 6
+
+
+@pytest.mark.ray
+@pytest.mark.vllm
 def test_a_node_that_cannot_read_the_model_is_named_before_anything_starts(nodes, ray_pool, tiny_model_path):
     from rlexp.cluster.ray_cluster import RayCluster
     from tests.ray_nodes import can_hide_directories
@@ -262,31 +304,6 @@ def test_a_node_that_cannot_read_the_model_is_named_before_anything_starts(nodes
     assert len(lines) == 1 and f"({blind}): model_path={tiny_model_path}: missing " in lines[0], lines
     assert "config.json" in lines[0]
     assert ray_pool.pool is not None  # the run's other placement groups were left alone
-
-
-def test_nothing_listening_at_the_address_is_a_config_error_before_ray_is_asked():
-    from rlexp.cluster.ray_connect import RayAddress, check_reachable
-    from tests.ray_nodes import free_port
-
-    port = free_port()
-    nothing = rf"cluster.address=127.0.0.1:{port}: nothing answers at 127.0.0.1:{port}"
-    with pytest.raises(ConfigError, match=nothing):
-        check_reachable(RayAddress.resolve(f"127.0.0.1:{port}"))
-    with pytest.raises(ConfigError, match="not a Ray address"):
-        check_reachable(RayAddress.resolve("head-node"))
-
-
-def test_the_address_comes_from_the_config_then_ray_address_then_a_local_ray(monkeypatch):
-    from rlexp.cluster.ray_connect import RayAddress
-
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert RayAddress.resolve("auto").address == "auto"
-    joined = RayAddress.resolve(None)
-    assert joined == RayAddress("10.0.0.1:6379", "RAY_ADDRESS=10.0.0.1:6379 (cluster.address=null)")
-    monkeypatch.setenv("RAY_ADDRESS", "local")
-    assert RayAddress.resolve(None).address is None
-    monkeypatch.delenv("RAY_ADDRESS")
-    assert RayAddress.resolve(None).address is None
 
 
 JOIN = """

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from rlexp.errors import ConfigError
+from rlexp.weights.adapter_file import AdapterFileTransport
 from rlexp.weights.files import WEIGHTS_FILE, read_shared
 from rlexp.weights.object_store import ObjectStoreReceiver, ObjectStoreTransport, to_arrays
 from rlexp.weights.ram_file import RamFileTransport
@@ -91,3 +92,9 @@ def test_a_transport_refuses_a_cluster_it_cannot_reach():
     transport = RamFileTransport(cluster=one_node)
     transport.close()
     assert not transport.directory.exists()
+    # a LoRA adapter's files in this node's RAM: a pool on this node reads them, others cannot
+    with pytest.raises(ConfigError, match="weight_transfer=auto"):
+        AdapterFileTransport(8, 16, ["q_proj"], cluster=other_nodes)
+    ray_here = SimpleNamespace(name="ray", multi_node=False, placement="split", trainer_workers=1)
+    for cluster in (one_node, ray_here):
+        AdapterFileTransport(8, 16, ["q_proj"], cluster=cluster).close()

@@ -53,7 +53,7 @@ class RolloutPool(RolloutEngine):
     comes back from its replica whole: `generate_streaming` is the Protocol's default."""
 
     update_modes: tuple[str, ...] = ("keep", "abort", "wait")  # its replicas' (VLLMEngine's)
-    serves_adapters = False  # LoRA runs reach the replicas merged (weight_transfer=lora_adapter is local)
+    serves_adapters = True  # its replicas' (rollout.max_lora_rank > 0), from files on this node
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
@@ -274,6 +274,12 @@ class RolloutPool(RolloutEngine):
     async def load_weights(self, directory: Path, version: int) -> None:
         """From a file every replica's node can read (RamFileTransport, one node)."""
         await self._update_weights(lambda a: a.load_weights.remote(str(directory), version), version)
+
+    async def load_adapter(self, name: str, directory: Path, version: int | None = None) -> None:
+        """A LoRA adapter from peft's files every replica's node can read (AdapterFileTransport,
+        one node): each replica serves it on its base, and a restarted replica loads it again."""
+        await self._update_weights(lambda a: a.load_adapter.remote(name, str(directory), version),
+                                   self.version if version is None else version)
 
     async def load_weights_object(self, ref: Any, version: int) -> None:
         """From Ray's object store (ObjectStoreTransport): each replica's node pulls `ref`."""

@@ -61,6 +61,10 @@ class EngineReplica:
         """From a safetensors file this node can read (RamFileTransport on one node)."""
         await self.engine.load_weights(Path(directory), version)
 
+    async def load_adapter(self, name: str, directory: str, version: int | None = None) -> None:
+        """A LoRA adapter from peft's files this node can read (AdapterFileTransport on one node)."""
+        await self.engine.load_adapter(name, Path(directory), version)
+
     async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
         """From Ray's object store (`arrays` arrives resolved on this node)."""
         await self._received.load(arrays, self.engine, version)

@@ -63,9 +63,9 @@ class AdapterFileTransport:
         if rank <= 0:
             raise ConfigError("weight_transfer=lora_adapter sends a LoRA adapter: set trainer.lora.rank > 0 "
                               "(or use weight_transfer=auto for full fine-tuning)")
-        if cluster is not None and (cluster.name != "local" or cluster.multi_node):
-            raise ConfigError("weight_transfer=lora_adapter writes the adapter into this node's RAM for one "
-                              "local engine: use cluster=local, or weight_transfer=auto (merged weights)")
+        if cluster is not None and cluster.multi_node:
+            raise ConfigError("weight_transfer=lora_adapter writes the adapter into this node's RAM; rollout "
+                              "replicas run on other nodes: use weight_transfer=auto (merged weights)")
         self.rank, self.alpha, self.target_modules = rank, alpha, list(target_modules)
         shm = orphans.ram_root()
         orphans.reap(self.PREFIX, shm)  # adapters of killed runs (RAM, not disk)
