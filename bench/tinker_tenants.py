@@ -16,8 +16,8 @@ weights.
   samples of `--tokens` tokens (ignore_eos), all sent together; with 1 tenant, the base model
   too (no adapter), for the adapters' own cost. Best of 3.
 - **Memory**: the resident memory of the server and its processes (vLLM's engine core) after
-  each adapter tenant is created (each holds a trainer: a copy of the base model, its adapter
-  and optimizer state), and after its adapter is loaded into the engine.
+  each adapter tenant is created (each holds a trainer: its adapter and optimizer state, on the
+  frozen base the LoRA trainers share), and after its adapter is loaded into the engine.
 
 key=value overrides go to the server (conf/tinker.yaml), e.g. model=smollm2. Printed last:
 `ratio:` merged seconds / adapter seconds per request switching between two models.

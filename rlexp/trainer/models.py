@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from rlexp.models.local import resolve_dtype
 from rlexp.trainer import distributed
 from rlexp.trainer.lora import PREFIX, add_adapters, check_spec, is_adapter, merged_weights
+from rlexp.trainer.shared_base import model_key, share_frozen
 
 log = logging.getLogger(__name__)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -66,6 +67,11 @@ def build_policy(model_path: str, dtype: str, gradient_checkpointing: bool, mixe
         targets = language_targets(model, spec["target_modules"]) if vision else spec["target_modules"]
         model = add_adapters(model, spec["rank"], spec["alpha"], targets)
     model.to(device).train()
+    if scaling and not distributed.sharded():  # the frozen base: one copy per process
+        shared = share_frozen(model, model_key(model_path, model.dtype, torch.device(device)))
+        if shared:
+            log.info("trainer: the frozen base (%.0f MB) is shared with a live LoRA trainer of the same "
+                     "model", shared / 2**20)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if keep_ref and not scaling else None
     if distributed.sharded():
         for m in (model, ref):
