@@ -34,6 +34,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tinker_two_callers import start_server  # this folder's: scripts run as files put it on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 TINKER_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
 # an alias: the cookbook picks this name's renderer (ChatML), which renders the tiny tokenizer's template
@@ -53,20 +55,6 @@ def hub_cache(out: Path, args) -> dict[str, str]:
                     "--train-rows", str(rows), "--test-rows", "64"], check=True)
     return os.environ | {"HF_HOME": str(out / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                          "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0"}
-
-
-def start_server(out: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rlexp.tinker", "tinker.port=0", f"tinker.state_dir={out}/state",
-           f"tinker.base_model={MODEL_NAME}", f"logger.tracking_uri=sqlite:///{out}/mlflow.db",
-           f"logger.artifact_location={out}/artifacts", f"hydra.run.dir={out}/hydra", "tinker.max_models=16",
-           "rollout.max_model_len=512"]  # rl_loop's prompt is 371 tokens of the tiny tokenizer
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(out / "server.log", "w"),
-                              text=True)
-    assert server.stdout is not None
-    for line in server.stdout:
-        if line.startswith("rlexp tinker: serving"):
-            return server, line.split(" on ")[1].split()[0]
-    raise RuntimeError(f"the Tinker server did not start: see {out / 'server.log'}")
 
 
 def recipe_commands(url: str, log: Path, sft: dict[str, str] | None, args) -> dict[str, list[str]]:
@@ -167,7 +155,9 @@ def main() -> None:
     out.mkdir(parents=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a stopped study stops its server too
     env = hub_cache(out, args)
-    server, url = start_server(out)
+    # rl_loop's prompt is 371 tokens of the tiny tokenizer
+    server, url = start_server(out, f"tinker.base_model={MODEL_NAME}", "tinker.max_models=16",
+                               "rollout.max_model_len=512")
     try:
         alone, together = out / "alone", out / "together"
         run_all(recipe_commands(url, alone, None, args), alone, env)

@@ -97,9 +97,11 @@ def hydra_rewards(out: Path) -> dict[int, list[float]]:
             for r in runs}
 
 
-def start_server(out: Path, rank: int) -> tuple[subprocess.Popen, str]:
+def start_server(out: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """`rlexp tinker` on a free port, its state, MLflow store and logs under `out`, with
+    `overrides` (conf/tinker.yaml); (the process, its URL) once it serves."""
     cmd = [sys.executable, "-m", "rlexp.tinker", "tinker.port=0", f"tinker.state_dir={out}/tinker_state",
-           f"rollout.max_lora_rank={max(rank, 8)}", *logged(out, "tinker")]
+           *logged(out, "tinker"), *overrides]
     server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=open(out / "server.log", "w"),
                               text=True)
     assert server.stdout is not None
@@ -156,7 +158,7 @@ def main() -> None:
         overrides = hydra_overrides(seed, args.steps, args.rank, args.lr)
         run_hydra(out, overrides, seed)
         write_task(overrides, args.steps, out / f"task_seed_{seed}.jsonl")
-    server, url = start_server(out, args.rank)
+    server, url = start_server(out, f"rollout.max_lora_rank={max(args.rank, 8)}")
     try:
         steps = {s: run_tinker(url, BASE_MODEL, out / f"task_seed_{s}.jsonl", out, s, args.rank, args.lr)
                  for s in args.seeds}
