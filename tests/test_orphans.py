@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,11 +59,11 @@ def test_stopping_the_reaper_kills_the_watched_processes_that_outlive_the_grace(
     from rlexp.rollout import reaper
 
     monkeypatch.setattr(reaper, "EXIT_GRACE_S", 0.5)
-    before = reaper.snapshot()
-    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    quick = subprocess.Popen([sys.executable, "-c", "pass"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    r = reaper.start(before)
+    r = reaper.start()
+    with reaper.watching(r):
+        hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        quick = subprocess.Popen([sys.executable, "-c", "pass"])
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     assert {pid for pid, _ in r.watched} == {hung.pid, quick.pid, other.pid}
     r.watched = [(pid, t + 1.0) if pid == other.pid else (pid, t) for pid, t in r.watched]  # a reused pid
     quick.wait()
@@ -104,3 +105,67 @@ def test_without_a_temp_root_weights_go_to_ram_and_the_rest_to_the_system_temp_d
     monkeypatch.delenv(orphans.TEMP_DIR_ENV, raising=False)
     assert orphans.ram_root() == ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     assert orphans.temp_root() == tempfile.gettempdir()
+
+
+
+
+STARTING = """
+import multiprocessing as mp, subprocess, sys, threading, time
+from rlexp.rollout import reaper
+
+fork = mp.get_context("fork")
+SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+def sleep(): time.sleep(600)
+def fork_from_a_thread(out):
+    out.append(fork.Process(target=sleep))
+    out[0].start()
+def child(q):
+    grandchild = fork.Process(target=sleep)
+    grandchild.start()
+    q.put(grandchild.pid)
+    sleep()
+
+q = fork.Queue()
+before_fork, before_exec = fork.Process(target=sleep), subprocess.Popen(SLEEP)
+before_fork.start()
+r = reaper.start()
+with reaper.watching(r):
+    forked = fork.Process(target=child, args=(q,))
+    forked.start()
+    from_a_thread = []
+    t = threading.Thread(target=fork_from_a_thread, args=(from_a_thread,))
+    t.start()
+    t.join()
+    RUN = "import subprocess, sys; subprocess.run(sys.argv[1:])"
+    execd = subprocess.Popen([sys.executable, "-c", RUN, *SLEEP])
+    while not reaper.psutil.Process(execd.pid).children():
+        time.sleep(0.01)
+    time.sleep(5 * reaper.POLL_S)  # the reaper has polled since: none started within its window
+    print(before_fork.pid, before_exec.pid, forked.pid, q.get(), from_a_thread[0].pid, execd.pid,
+          reaper.psutil.Process(execd.pid).children()[0].pid, flush=True)
+    sleep()  # killed here: inside the start, before the reaper is sent any pid
+"""
+
+
+def test_what_a_start_left_dies_with_its_parent_killed_mid_start():
+    """A process SIGKILLed while it starts an engine inside `reaper.watching`, before it could
+    send the reaper any pid: every process the start left, forked (also by another thread or
+    by a child) or exec'd, is killed by the reaper, which polled for them; those started
+    before are left alone (and killed here). Forked children hold no reaper's pipe open: else
+    the reaper would wait for them to exit."""
+    import psutil
+
+    parent = subprocess.Popen([sys.executable, "-c", STARTING], stdout=subprocess.PIPE, text=True)
+    pids = list(map(int, parent.stdout.readline().split()))
+    procs = [psutil.Process(pid) for pid in pids]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    try:
+        gone, alive = psutil.wait_procs(procs[2:], timeout=20)
+        assert not alive, [p.pid for p in alive]
+        for p in procs[:2]:
+            assert p.is_running() and p.status() != psutil.STATUS_ZOMBIE, p.pid
+    finally:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()

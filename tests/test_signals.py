@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlexp.rollout import reaper
 from tests.processes import running_cmdline
 from tests.test_resume import _cmd, _run, _start, _wait_for
 
@@ -72,3 +73,40 @@ def test_a_signal_stops_the_run_killed_with_its_resume_command_and_nothing_left(
     _, run = _run(store)
     assert run.info.status == "KILLED"
     assert run.data.tags["rlexp.error"].startswith(f"Interrupted: {sig.name} ({sender}) stopped the run")
+
+
+def _engine_starting(proc, log: Path) -> list[psutil.Process]:
+    """Stop `proc` (SIGSTOP) once vLLM's engine core runs but the engine is not up yet (its
+    pids not yet sent to the reaper), the core older than the reaper's polling window (it
+    takes seconds to start). Returns the core's processes."""
+    while True:
+        assert proc.poll() is None, "the run exited before its engine started"
+        assert "vLLM engine up" not in log.read_text(), "the engine was up before its start was seen"
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        core = [p for p in tree if "EngineCore" in (running_cmdline(p) or "")]
+        if core and time.time() - core[0].create_time() > 5 * reaper.POLL_S:
+            proc.send_signal(signal.SIGSTOP)
+            assert "vLLM engine up" not in log.read_text(), "the engine came up meanwhile"
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            return [p for p in tree if "EngineCore" in (running_cmdline(p) or "")]
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_run_killed_while_its_engine_starts_leaves_no_engine_running(tmp_path, run_models, new_store):
+    """SIGKILL (a dying node) while vLLM's engine core starts, before rlexp can list its
+    processes: the reaper, started first, finds and kills them (rlexp/rollout/reaper.py)."""
+    store = new_store(tmp_path)
+    log = tmp_path / "run.log"
+    cmd = _cmd(store, tmp_path / "out", run_models, "rollout=vllm")
+    with open(log, "a") as f:
+        proc = _start(cmd, f)
+        try:
+            core = _engine_starting(proc, log)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            gone, alive = psutil.wait_procs(core, timeout=20)
+            assert core and not alive, [running_cmdline(p) for p in alive]
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)

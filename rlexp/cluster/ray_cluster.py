@@ -104,12 +104,12 @@ class RayCluster:
         log.info("ray: %s", self.shape().describe())
 
     def _start_ray(self, where: ray_connect.RayAddress, num_cpus: int | None, num_gpus: int | None) -> None:
-        before = reaper.snapshot()
-        ray_connect.init(where, num_cpus, num_gpus)
         # A local Ray's GCS and raylet die with this process, but its dashboard and
         # runtime-env agents were measured outliving a SIGKILLed driver: the reaper takes
         # down every process ray.init started (the actors go with their raylet).
-        self._reaper = reaper.start(before)
+        self._reaper = reaper.start()
+        with reaper.watching(self._reaper):
+            ray_connect.init(where, num_cpus, num_gpus)
 
     def _check_fits(self, resources: dict, trainer_bundles: int) -> None:
         """The bundles fit in the cluster, and the placement is one this cluster supports."""

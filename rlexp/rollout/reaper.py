@@ -9,7 +9,15 @@ processes outlived it (none should; one stuck where vLLM's shutdown cannot reach
 outlive the run either). Processes are matched by pid and start time, so a reused pid is
 never killed.
 
-    python -m rlexp.rollout.reaper <pid>:<start time> ...
+The reaper starts before the engine (`start`, then the engine starts inside `watching`): a
+kill while the engine starts (seconds on CPU) must leave nothing either. Until the engine is
+up, rlexp cannot list its processes, so the reaper lists rlexp's descendants itself every
+POLL_S; a process started less than POLL_S before rlexp dies may escape it. Once the engine
+is up, rlexp sends the reaper their pids and the reaper stops polling. (Marks a child could
+inherit do not survive vLLM's: `setproctitle` overwrites its environment, and `spawn`
+closes inherited descriptors.)
+
+    python -m rlexp.rollout.reaper      (stdin: "<pid>:<start time>" lines, then ".")
 """
 
 from __future__ import annotations
@@ -17,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -30,24 +40,33 @@ from rlexp import orphans
 TEMP_PREFIX = "rlexp-vllm-"  # the engine's temporary directory (rlexp/orphans.py)
 EXIT_GRACE_S = 5.0  # for a shut-down engine's processes to exit by themselves before they are killed
 KILL_WAIT_S = 10.0  # for killed processes to be gone; the kernel frees a GB-sized one in well under 1 s
+POLL_S = 0.2  # how often the reaper lists rlexp's descendants while the engine starts (~3 ms of CPU each)
 
 log = logging.getLogger("rlexp")
+_pipes: set[int] = set()  # this process's ends of its reapers' pipes, which no fork may hold open
 
 
 @dataclass
 class Reaper:
     process: subprocess.Popen
-    watched: list[tuple[int, float]]  # (pid, start time) of the processes it takes down
+    watched: list[tuple[int, float]] = field(default_factory=list)  # (pid, start time) it takes down
 
 
 def snapshot() -> set[tuple[int, float]]:
-    """(pid, start time) of every descendant of this process but multiprocessing's resource
-    tracker: the whole process's (started with vLLM's engine, used by whatever comes after),
-    it exits by itself when this process does."""
+    """(pid, start time) of every descendant of this process but reapers and multiprocessing's
+    resource tracker: the whole process's (started with vLLM's engine, used by whatever comes
+    after), it exits by itself when this process does."""
+    return descendants(psutil.Process())
+
+
+def descendants(process: psutil.Process) -> set[tuple[int, float]]:
+    """(pid, start time) of `process`'s descendants but multiprocessing's resource tracker
+    and reapers (each takes down its own watched processes)."""
     out = set()
-    for p in psutil.Process().children(recursive=True):
+    for p in process.children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):  # exited since it was listed
-            if "multiprocessing.resource_tracker" not in " ".join(p.cmdline()):
+            command = " ".join(p.cmdline())
+            if "multiprocessing.resource_tracker" not in command and "rlexp.rollout.reaper" not in command:
                 out.add((p.pid, p.create_time()))
     return out
 
@@ -75,14 +94,42 @@ def new_temp_files(before: set[tuple[int, float]], names_before: set[str]) -> li
     return sorted(p for p in paths if p.startswith(roots) and p.split("/")[-1] in new and "/rlexp-" not in p)
 
 
-def start(before: set[tuple[int, float]]) -> Reaper | None:
-    """Watch the processes started since `before` was taken."""
-    new = sorted(snapshot() - before)
-    if not new:
-        return None
-    args = [f"{pid}:{t!r}" for pid, t in new]
-    return Reaper(subprocess.Popen([sys.executable, "-m", "rlexp.rollout.reaper", *args],
-                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL), new)
+def start() -> Reaper:
+    """A reaper, polling from its start; call the start it watches inside `watching`."""
+    process = subprocess.Popen([sys.executable, "-m", "rlexp.rollout.reaper"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert process.stdin is not None and process.stdout is not None
+    _pipes.add(process.stdin.fileno())
+    process.stdout.read(1)  # it has listed what ran before it, and polls
+    return Reaper(process)
+
+
+@contextlib.contextmanager
+def watching(reaper: Reaper) -> Iterator[None]:
+    """The processes started inside (and their descendants) are the reaper's from their start;
+    once the block ends, their pids are sent to it and it stops polling. On an error too:
+    whatever a failed start left running is killed by `stop`."""
+    before = snapshot()
+    try:
+        yield
+    finally:
+        reaper.watched += sorted(snapshot() - before)
+        assert reaper.process.stdin is not None
+        reaper.process.stdin.write("".join(f"{pid}:{t!r}\n" for pid, t in reaper.watched).encode() + b".\n")
+        reaper.process.stdin.flush()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds no reaper's pipe open: that reaper would wait for the child too."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for fd in _pipes:  # pointed elsewhere, not closed: the number stays this file object's
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd)
+    os.close(devnull)
+    _pipes.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def stop(reaper: Reaper | None) -> None:
@@ -91,8 +138,12 @@ def stop(reaper: Reaper | None) -> None:
     nothing the engine started runs."""
     if reaper is None:
         return
+    assert reaper.process.stdin is not None and reaper.process.stdout is not None
+    _pipes.discard(reaper.process.stdin.fileno())
     reaper.process.kill()
     reaper.process.wait()
+    reaper.process.stdin.close()
+    reaper.process.stdout.close()
     left = kill(reaper.watched, grace_s=EXIT_GRACE_S)
     if left:
         log.warning("killed %d process(es) left running after the shutdown: %s", len(left), left)
@@ -131,15 +182,52 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
-def main(args: list[str]) -> None:
+def main() -> None:
     # Ctrl-C reaches the whole process group, SLURM's SIGTERM every process of the job: the
     # reaper stays until rlexp is gone, however rlexp ends (it stops the reaper with SIGKILL).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    sys.stdin.buffer.read()  # returns when rlexp closes the pipe: it exited or died
-    kill([(int(pid), float(created)) for pid, created in (arg.split(":") for arg in args)])
+    rlexp = psutil.Process(os.getppid())
+    ran_before = descendants(rlexp)  # this reaper among them
+    os.write(1, b"r")
+    watched = listen(rlexp, ran_before)
+    kill(sorted(with_descendants(watched)))
     orphans.reap(TEMP_PREFIX)  # the dead engine's sockets and shared memory
 
 
+def listen(rlexp: psutil.Process, ran_before: set[tuple[int, float]]) -> set[tuple[int, float]]:
+    """What to take down once rlexp closes the pipe (it exited or died): the pids it sent and,
+    while the engine starts, the descendants of rlexp's seen since this reaper started."""
+    watched: set[tuple[int, float]] = set()
+    starting, pending = True, b""
+    while True:
+        if starting:
+            with contextlib.suppress(psutil.Error):  # rlexp is gone: the pipe is closing
+                watched |= descendants(rlexp) - ran_before
+        if not select.select([0], [], [], POLL_S if starting else None)[0]:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return watched
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if line == b".":
+                starting = False
+            elif line:
+                pid, created = line.decode().split(":")
+                watched.add((int(pid), float(created)))
+
+
+def with_descendants(watched: set[tuple[int, float]]) -> set[tuple[int, float]]:
+    """`watched` and the descendants of those of them still running."""
+    out = set(watched)
+    for pid, created in watched:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            if abs(p.create_time() - created) < 1e-3:
+                out |= descendants(p)
+    return out
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -121,11 +121,15 @@ class VLLMEngine(NativeTransfer, WeightUpdates):
         t0 = time.time()
         orphans.reap(reaper.TEMP_PREFIX)
         self._temp, self._temp_lock = orphans.owned_tempdir(reaper.TEMP_PREFIX)
+        self._reaper = reaper.start()
         before, names_before = reaper.snapshot(), reaper.temp_names()
         env = {"VLLM_RPC_BASE_PATH": str(self._temp), **({} if on_gpu else vllm_args.CPU_ENV)}
-        with vllm_args.environment(**env):
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        self._reaper = reaper.start(before)
+        try:
+            with vllm_args.environment(**env), reaper.watching(self._reaper):
+                self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except BaseException:
+            reaper.stop(self._reaper)  # whatever the failed start left running
+            raise
         orphans.own(self._temp, reaper.new_temp_files(before, names_before))
         log.info("vLLM engine up in %.1fs (%s)", time.time() - t0, "gpu" if on_gpu else "cpu")
 
