@@ -1,13 +1,13 @@
 """cluster=ray on a real Ray cluster of three nodes on this host (tests/ray_nodes.py: a head
 with no CPUs, where this process connects, and two worker nodes) with a vLLM replica of the
 tiny model on each worker node: weights reach every replica, through Ray's object store
-across nodes too, and a LoRA run's adapter alone; an update mid-generation on both replicas
-(keep: nothing prefilled again, the tokens after it tagged with the new version; abort: the
-tokens each replica prefilled again, summed by the pool); a SIGKILLed replica is restarted on
-its node with the current weights while its requests finish elsewhere; a node that cannot read
-the model is named before anything starts; the ways of naming the cluster (cluster.address,
-RAY_ADDRESS, auto) join it. The RolloutPool's routing and fault handling over fake replicas:
-tests/test_pool.py."""
+across nodes too, and a LoRA run's adapter alone (its files through the object store too);
+an update mid-generation on both replicas (keep: nothing prefilled again, the tokens after it
+tagged with the new version; abort: the tokens each replica prefilled again, summed by the
+pool); a SIGKILLed replica is restarted on its node with the current weights while its
+requests finish elsewhere; a node that cannot read the model is named before anything
+starts; the ways of naming the cluster (cluster.address, RAY_ADDRESS, auto) join it. The
+RolloutPool's routing and fault handling over fake replicas: tests/test_pool.py."""
 
 import asyncio
 import os
@@ -256,30 +256,36 @@ def test_a_lora_runs_adapter_reaches_every_replica_as_the_trainers_policy(ray_po
 
     pool = _fresh(ray_pool)
     trainer = _lora_trainer(tiny_model_path)
-    transport = AdapterFileTransport(RANK, 16, LORA_TARGETS)
+    assert ray_pool.multi_node  # the replicas run on the worker nodes, not the driver's
+    transport = AdapterFileTransport(RANK, 16, LORA_TARGETS, cluster=ray_pool)
     prompts = _prompts(tokenizer)
     sampling = SamplingConfig(temperature=LORA_TEMPERATURE, max_tokens=12, seed=5)
 
     async def main():
         _move(trainer)  # lora_B starts at 0: moved, the policy is not the base model
         base = await _per_replica(pool, prompts, sampling)
+        pool.pop_replica_metrics()
         await transport.transfer(trainer.adapter_weights(), pool, 6)
-        return base, await _per_replica(pool, prompts, sampling)
+        return base, await _per_replica(pool, prompts, sampling), pool.pop_replica_metrics()
 
     async def restore():  # the module's replicas as found: the base model alone
         await asyncio.gather(*(a.call_engine.remote("remove_adapter", POLICY) for a in pool.actors))
 
     try:
-        base, gens = asyncio.run(main())
+        base, gens, metrics = asyncio.run(main())
     finally:
         transport.close()
         asyncio.run(restore())
     diffs = [_max_logprob_diff(trainer, prompts, g) for g in gens]
     print(f"adapter: max |logprob(replica) - logprob(trainer)| per replica {diffs}; "
-          f"{transport.bytes_sent} bytes sent")
+          f"{transport.bytes_sent} bytes sent; {metrics}")
     assert min(_max_logprob_diff(trainer, prompts, g) for g in base) > 1e-2  # tells the adapter apart
     assert max(diffs) < 1e-4, diffs  # float32, as test_lora_engine's one engine
     assert transport.bytes_sent == sum(p.numel() * 4 for p in trainer.model.parameters() if p.requires_grad)
+    # through Ray's object store: both worker nodes pulled the files, a little over the tensors
+    assert metrics["weights/object_store_nodes_pulled"] == 2
+    pulled = metrics["weights/object_store_bytes_pulled"]
+    assert 2 * transport.bytes_sent < pulled < 2.1 * transport.bytes_sent, pulled
     assert [g.token_ids for g in gens[0]] == [g.token_ids for g in gens[1]]  # per-request seeds
     assert all(g.versions == [6] * len(g.token_ids) for r in gens for g in r)
     assert pool.version == 6

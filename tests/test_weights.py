@@ -92,9 +92,37 @@ def test_a_transport_refuses_a_cluster_it_cannot_reach():
     transport = RamFileTransport(cluster=one_node)
     transport.close()
     assert not transport.directory.exists()
-    # a LoRA adapter's files in this node's RAM: a pool on this node reads them, others cannot
-    with pytest.raises(ConfigError, match="weight_transfer=auto"):
-        AdapterFileTransport(8, 16, ["q_proj"], cluster=other_nodes)
+    # a LoRA adapter's files in this node's RAM: a pool ships them to its replicas' nodes
     ray_here = SimpleNamespace(name="ray", multi_node=False, placement="split", trainer_workers=1)
-    for cluster in (one_node, ray_here):
+    for cluster in (one_node, ray_here, other_nodes):
         AdapterFileTransport(8, 16, ["q_proj"], cluster=cluster).close()
+
+
+def test_a_replica_writes_each_adapter_it_receives_into_a_new_directory_and_drops_the_last():
+    """What a replica gets through the object store (`read_adapter` of the driver's files) is
+    loaded from a directory of its own, byte for byte, a new one per load (vLLM's prefix cache
+    keys blocks by the directory); the one served before goes once the next is loaded."""
+    from rlexp.weights.adapter_file import ADAPTER_WEIGHTS, AdapterReceiver, read_adapter, write_adapter
+
+    class Engine:
+        def __init__(self):
+            self.loaded = []
+
+        async def load_adapter(self, name, directory, version=None):
+            self.loaded.append((name, directory, version, read_adapter(directory)))
+
+    sent = AdapterFileTransport(8, 16, ["q_proj"])
+    receiver, engine = AdapterReceiver(), Engine()
+    try:
+        for version in (3, 4):
+            tensors = [("m.q_proj.lora_A.default.weight", torch.full((8, 4), float(version)))]
+            write_adapter(sent.root / f"v{version}", tensors, 8, 16, ["q_proj"])
+            files = read_adapter(sent.root / f"v{version}")
+            asyncio.run(receiver.load("policy", files, engine, version))
+            assert engine.loaded[-1][3] == files and engine.loaded[-1][2] == version
+        (_, first, _, _), (_, second, _, _) = engine.loaded
+        assert first != second and not first.exists() and (second / ADAPTER_WEIGHTS).is_file()
+    finally:
+        sent.close()
+        receiver.close()
+    assert not second.exists()

@@ -30,21 +30,20 @@ import logging
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
+from rlexp.cluster.pool_weights import PoolWeights
 from rlexp.cluster.replica_calls import ReplicaTimeout, answer, first_line, is_lost, restarted
 from rlexp.constraints import UpdateMode
 from rlexp.errors import EngineDead
 from rlexp.protocols import RolloutEngine
 from rlexp.rollout.accounting import BusyMeter, conversation, count_generated
 from rlexp.sample import Generation, SamplingConfig
-from rlexp.weights.protocols import EngineProcess
 
 log = logging.getLogger(__name__)
 
 
-class RolloutPool(RolloutEngine):
+class RolloutPool(PoolWeights, RolloutEngine):
     """`actors`: EngineReplica handles (already placed); `nodes`: the node id of each.
     `sampling` / `max_model_len`: the engines' settings (the same for all).
     `call_timeout_s`: the longest any one call on a replica may take (a generation, a weight
@@ -53,7 +52,7 @@ class RolloutPool(RolloutEngine):
     comes back from its replica whole: `generate_streaming` is the Protocol's default."""
 
     update_modes: tuple[str, ...] = ("keep", "abort", "wait")  # its replicas' (VLLMEngine's)
-    serves_adapters = True  # its replicas' (rollout.max_lora_rank > 0), from files on this node
+    serves_adapters = True  # its replicas' (rollout.max_lora_rank > 0), through the object store
 
     def __init__(self, actors: list[Any], sampling: SamplingConfig, max_model_len: int,
                  sleeps: bool = False, nodes: list[str] | None = None, call_timeout_s: float = 600.0,
@@ -261,52 +260,6 @@ class RolloutPool(RolloutEngine):
         if self.sleeps:
             self._sleeping = False
             await self._fan_out(lambda a: a.wake_up.remote())
-
-    # ---- weights (rlexp/weights/protocols.py: what each transport asks of an engine) -------
-    async def _update_weights(self, load: Callable[[Any], Awaitable[None]], version: int) -> None:
-        """Every replica runs `load(actor)` (it serves `version` after); a replica restarted
-        later runs the same `load`, so it catches up with the others."""
-        async with self._update:
-            await self._fan_out(load)
-            self._reload = load
-            self.version = version
-
-    async def load_weights(self, directory: Path, version: int) -> None:
-        """From a file every replica's node can read (RamFileTransport, one node)."""
-        await self._update_weights(lambda a: a.load_weights.remote(str(directory), version), version)
-
-    async def load_adapter(self, name: str, directory: Path, version: int | None = None) -> None:
-        """A LoRA adapter from peft's files every replica's node can read (AdapterFileTransport,
-        one node): each replica serves it on its base, and a restarted replica loads it again."""
-        await self._update_weights(lambda a: a.load_adapter.remote(name, str(directory), version),
-                                   self.version if version is None else version)
-
-    async def load_weights_object(self, ref: Any, version: int) -> None:
-        """From Ray's object store (ObjectStoreTransport): each replica's node pulls `ref`."""
-        await self._update_weights(lambda a: a.load_weights_object.remote(ref, version), version)
-        self._count_pulled(ref)
-
-    def _count_pulled(self, ref: Any) -> None:
-        """The bytes of `ref` that crossed into other nodes' object stores, as Ray's own
-        object directory lists its copies."""
-        import ray
-        from ray.experimental import get_object_locations
-
-        where = get_object_locations([ref])[ref]
-        others = set(where["node_ids"]) - {ray.get_runtime_context().get_node_id()}
-        self._pulled_bytes += where["object_size"] * len(others)
-        self._pulled_nodes = len(others)
-
-    async def load_weights_native(self, send: Callable[[EngineProcess], Awaitable[None]],
-                                  version: int) -> None:
-        """vLLM's native transfer: each replica's engine process, reached through
-        `EngineReplica.call_engine`; a replica Ray restarted is a new process."""
-        async def load(actor: Any) -> None:
-            node, pid, _ = await answer(actor.ready.remote(), self.call_timeout_s, "rollout replica")
-            await send(EngineProcess(actor, (node, pid),
-                                     lambda method, *args: actor.call_engine.remote(method, *args)))
-
-        await self._update_weights(load, version)
 
     # ---- reporting -------------------------------------------------------------------
     def pop_replica_metrics(self) -> dict[str, float]:

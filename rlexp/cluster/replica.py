@@ -10,6 +10,7 @@ from typing import Any
 
 from rlexp.constraints import UpdateMode
 from rlexp.sample import Generation, SamplingConfig
+from rlexp.weights.adapter_file import AdapterReceiver
 from rlexp.weights.object_store import ObjectStoreReceiver
 
 
@@ -22,6 +23,7 @@ class EngineReplica:
 
         self.engine = instantiate(dict(spec, replicas=1), model_path=model_path)
         self._received = ObjectStoreReceiver()
+        self._adapters = AdapterReceiver()
         self._again_told = 0  # the engine's prefilled-again tokens told to the pool so far
 
     def ready(self) -> tuple[str, int, int]:
@@ -61,9 +63,11 @@ class EngineReplica:
         """From a safetensors file this node can read (RamFileTransport on one node)."""
         await self.engine.load_weights(Path(directory), version)
 
-    async def load_adapter(self, name: str, directory: str, version: int | None = None) -> None:
-        """A LoRA adapter from peft's files this node can read (AdapterFileTransport on one node)."""
-        await self.engine.load_adapter(name, Path(directory), version)
+    async def load_adapter_files(self, name: str, files: dict[str, bytes],
+                                 version: int | None = None) -> None:
+        """A LoRA adapter from peft's files, arrived through Ray's object store (resolved on
+        this node): written into this replica's own RAM directory and loaded from there."""
+        await self._adapters.load(name, files, self.engine, version)
 
     async def load_weights_object(self, arrays: dict[str, Any], version: int) -> None:
         """From Ray's object store (`arrays` arrives resolved on this node)."""
@@ -77,6 +81,7 @@ class EngineReplica:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self._received.close()
+        self._adapters.close()
 
 
 def no_room(bundle: dict[str, float], node: str) -> str | None:

@@ -12,8 +12,9 @@ transport decides *how*. `weight_transfer=auto` (auto.py) picks the one that fit
     GPU, vLLM, placement=split      vllm_nccl     (vllm_nccl.py: NCCL broadcast)
 
 A LoRA run can send its adapter instead (`weight_transfer=lora_adapter`, adapter_file.py: peft's
-files in RAM, served by vLLM's LoRA support on the base weights it loaded once; one local
-engine); a transport that `sends_adapter` gets `trainer.adapter_weights()` (rlexp.step.outgoing).
+files in RAM, served by vLLM's LoRA support on the base weights it loaded once; a Ray pool
+ships the files to its replicas' nodes through the object store); a transport that
+`sends_adapter` gets `trainer.adapter_weights()` (rlexp.step.outgoing).
 
 An engine receives through declared methods (protocols.py): `load_weights` (a safetensors file
 it can read), `load_adapter` (a LoRA adapter's files, by name), `load_weights_object` (a

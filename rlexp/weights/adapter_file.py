@@ -7,6 +7,10 @@ of the policy's adapter (`VLLMEngine.load_adapter`, vLLM's LoRA serving); the ba
 stay as the engine loaded them. A directory per version: vLLM's prefix cache keys a block
 by the adapter's directory, and an adapter vLLM evicted is loaded again from it, so the one
 the engine serves stays until the next one is loaded.
+
+A Ray pool (rlexp/cluster/pool.py) ships the files to its replicas through Ray's object store,
+so replicas on other nodes get them too; each writes them into a directory of its own
+(`AdapterReceiver`) and loads them from there.
 """
 
 from __future__ import annotations
@@ -63,9 +67,6 @@ class AdapterFileTransport:
         if rank <= 0:
             raise ConfigError("weight_transfer=lora_adapter sends a LoRA adapter: set trainer.lora.rank > 0 "
                               "(or use weight_transfer=auto for full fine-tuning)")
-        if cluster is not None and cluster.multi_node:
-            raise ConfigError("weight_transfer=lora_adapter writes the adapter into this node's RAM; rollout "
-                              "replicas run on other nodes: use weight_transfer=auto (merged weights)")
         self.rank, self.alpha, self.target_modules = rank, alpha, list(target_modules)
         shm = orphans.ram_root()
         orphans.reap(self.PREFIX, shm)  # adapters of killed runs (RAM, not disk)
@@ -87,3 +88,42 @@ class AdapterFileTransport:
     def close(self) -> None:
         orphans.remove(self.root, self._lock)
         self._lock = None
+
+
+def read_adapter(directory: Path) -> dict[str, bytes]:
+    """peft's two files in `directory`, by name: what crosses to a replica's node."""
+    return {name: (directory / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+
+
+class AdapterReceiver:
+    """The receiving half in a replica's actor: an adapter's files (`read_adapter`, resolved on
+    this node) written into a new directory in this node's RAM, then loaded; the directory an
+    adapter was served from goes once the next one of its name is loaded."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self._lock: int | None = None
+        self._serving: dict[str, Path] = {}
+        self._loads = 0
+
+    async def load(self, name: str, files: dict[str, bytes], engine: LoadsAdapters,
+                   version: int | None) -> None:
+        if self.root is None:
+            shm = orphans.ram_root()
+            orphans.reap(AdapterFileTransport.PREFIX, shm)
+            self.root, self._lock = orphans.owned_tempdir(AdapterFileTransport.PREFIX, shm)
+        self._loads += 1  # a new directory each time: vLLM's prefix cache keys blocks by it
+        directory = self.root / f"{name}-{self._loads}"
+        directory.mkdir()
+        for file, data in files.items():
+            (directory / Path(file).name).write_bytes(data)
+        await engine.load_adapter(name, directory, version)
+        old = self._serving.get(name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._serving[name] = directory
+
+    def close(self) -> None:
+        if self.root is not None:
+            orphans.remove(self.root, self._lock)
+            self.root, self._lock = None, None
