@@ -66,6 +66,14 @@ def owned_tempdir(prefix: str, parent: str | None = None) -> tuple[Path, int]:
     return directory, fd
 
 
+def owned_ram_dir(prefix: str) -> tuple[Path, int]:
+    """`owned_tempdir` in RAM (`ram_root`), once the directories of `prefix` that dead runs
+    left there are removed."""
+    shm = ram_root()
+    reap(prefix, shm)
+    return owned_tempdir(prefix, shm)
+
+
 def own(directory: Path, paths: Iterable[str]) -> None:
     """Record `paths` outside `directory` as its own: removed with it."""
     with open(directory / OWNED, "a") as f:

@@ -68,10 +68,8 @@ class AdapterFileTransport:
             raise ConfigError("weight_transfer=lora_adapter sends a LoRA adapter: set trainer.lora.rank > 0 "
                               "(or use weight_transfer=auto for full fine-tuning)")
         self.rank, self.alpha, self.target_modules = rank, alpha, list(target_modules)
-        shm = orphans.ram_root()
-        orphans.reap(self.PREFIX, shm)  # adapters of killed runs (RAM, not disk)
         self._lock: int | None
-        self.root, self._lock = orphans.owned_tempdir(self.PREFIX, shm)
+        self.root, self._lock = orphans.owned_ram_dir(self.PREFIX)  # and adapters of killed runs go
         self.bytes_sent = 0  # the last sync's tensor bytes
         self._serving: Path | None = None
 
@@ -109,9 +107,7 @@ class AdapterReceiver:
     async def load(self, name: str, files: dict[str, bytes], engine: LoadsAdapters,
                    version: int | None) -> None:
         if self.root is None:
-            shm = orphans.ram_root()
-            orphans.reap(AdapterFileTransport.PREFIX, shm)
-            self.root, self._lock = orphans.owned_tempdir(AdapterFileTransport.PREFIX, shm)
+            self.root, self._lock = orphans.owned_ram_dir(AdapterFileTransport.PREFIX)
         self._loads += 1  # a new directory each time: vLLM's prefix cache keys blocks by it
         directory = self.root / f"{name}-{self._loads}"
         directory.mkdir()

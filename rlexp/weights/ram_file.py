@@ -30,9 +30,7 @@ class RamFileTransport:
                 raise ConfigError("weight_transfer=ram_file writes the weights into this node's RAM; "
                                   "rollout replicas run on other nodes: use weight_transfer=object_store "
                                   "(or auto), or give weight_transfer.directory on a shared file system")
-            shm = orphans.ram_root()
-            orphans.reap(self.PREFIX, shm)  # weight files of killed runs (RAM, not disk)
-            self.directory, self._lock = orphans.owned_tempdir(self.PREFIX, shm)
+            self.directory, self._lock = orphans.owned_ram_dir(self.PREFIX)  # and those of killed runs go
         else:
             self.directory = Path(directory)
         self.file = SharedFile(self.directory / WEIGHTS_FILE)
