@@ -44,6 +44,8 @@ class Reference:
 REFERENCES = [
     Reference(FINGERPRINTS / "default_20_steps_amd_avx512.json",
               MachineKind("AuthenticAMD", "AVX512", None), None),
+    Reference(FINGERPRINTS / "default_20_steps_amd_avx2.json", MachineKind("AuthenticAMD", "AVX2", ("avx2",)),
+              "4012c8fcc6033d26119d8600c919879a28cbe3dfed754876411a0faed3f22f50"),
     Reference(FINGERPRINTS / "default_20_steps_intel_avx512_amx.json", INTEL_AVX512_AMX,
               "4cb4c04e102fda7541c5cea4125fa163fc0c510716a49d881b2a22ca287a0efd"),
 ]
